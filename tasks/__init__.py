@@ -1,0 +1,64 @@
+"""Tasks: where prompts come from, how completions are rewarded and how a policy is evaluated.
+
+A task is one file with one `Task` subclass. The rest of the project only uses this interface:
+
+    task = make_task(cfg)
+    model, tokenizer = task.load_model(device)
+    prompts = task.prompts("train", tokenizer)          # list[Prompt], already tokenised
+    rewards = task.reward(prompts, completions)         # list[float], one per completion
+    metrics = task.evaluate(model, tokenizer, ref_model)  # {"eval/accuracy": ...} or {"toy/tv": ...}
+"""
+import importlib
+from dataclasses import dataclass
+
+import models
+
+
+@dataclass
+class Prompt:
+    text: str                 # what the model sees, formatted (chat template or plain)
+    ids: list                 # its token ids, without padding
+    index: int                # position in its split; the replay buffer stores it
+    answer: str | None = None  # the gold answer, for tasks that have one
+
+
+class Task:
+    """Base class. Subclasses set `name`, override `defaults` and implement the three methods."""
+
+    name = ""
+    # Config fields a task chooses when the user leaves them unset (None on the command line).
+    defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
+                    temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
+                    warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def load_model(self, device):
+        """The policy's starting point, which is also the frozen reference."""
+        return models.load_model(self.cfg.model or models.DEFAULT_MODEL, device=device,
+                                 trust_remote_code=self.cfg.trust_remote_code)
+
+    def prompts(self, split, tokenizer):
+        raise NotImplementedError
+
+    def reward(self, prompts, completions):
+        raise NotImplementedError
+
+    def evaluate(self, model, tokenizer, ref_model):
+        raise NotImplementedError
+
+
+# Imported on demand, so that a task's optional dependencies are only needed when it is used.
+TASKS = {"toy": "tasks.toy:ToyTask"}
+
+
+def task_class(name):
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_task(cfg):
+    return task_class(cfg.task)(cfg)

@@ -1,0 +1,116 @@
+"""A task small enough to know the answer exactly.
+
+Two prompts, a vocabulary of four letters and an end-of-sequence token, and completions of at
+most five tokens: 1,365 possible completions per prompt, few enough to score every one. So the
+policy's whole distribution can be computed, and compared with the exact target of trajectory
+balance,  p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β),  by total variation (`toy/tv`).
+
+The reward has separated modes: a completion of exactly four letters scores the fraction of
+positions it shares with the nearest of three mode strings; anything else scores 0. The model is
+a two-layer Llama with random weights, built in code; those initial weights are the reference.
+"""
+import itertools
+
+import torch
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tasks import Prompt, Task
+from trainer import sequence_logprobs
+
+LETTERS = ["a", "b", "c", "d"]
+EOS = "<eos>"
+# prompt -> its reward modes (distinct first letters). Prompts are written in the same four
+# letters: a token that only prompts used could still be sampled, outside the enumeration.
+MODES = {
+    "a": ["a b c d", "b d b d", "c c a a"],
+    "d": ["d c b a", "a a d d", "b b b b"],
+}
+MAX_NEW_TOKENS = 5
+MODEL_SEED = 1234                         # fixed, so every run (and process) has the same p_ref
+
+
+def build_tokenizer():
+    vocab = {tok: i for i, tok in enumerate([EOS, *LETTERS])}
+    tokenizer = Tokenizer(tok_models.WordLevel(vocab, unk_token=EOS))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # pad == eos on purpose: the same trap as SmolLM2, so the tiny runs exercise it too.
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS,
+                                   padding_side="left")
+
+
+def build_model(vocab_size):
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=16, eos_token_id=0, pad_token_id=0,
+                         bos_token_id=None, tie_word_embeddings=True,
+                         initializer_range=0.005)   # small: p_ref near uniform, modes balanced
+    with torch.random.fork_rng():
+        torch.manual_seed(MODEL_SEED)
+        return LlamaForCausalLM(config).eval()
+
+
+def reward_of(prompt_text, completion):
+    letters = completion.split()
+    if len(letters) != 4:
+        return 0.0
+    return max(sum(a == b for a, b in zip(letters, mode.split())) / 4 for mode in MODES[prompt_text])
+
+
+def all_completions():
+    """Every possible completion as token strings: n letters then EOS (n < 5), or 5 letters."""
+    ended = [list(p) + [EOS] for n in range(MAX_NEW_TOKENS) for p in itertools.product(LETTERS, repeat=n)]
+    return ended + [list(p) for p in itertools.product(LETTERS, repeat=MAX_NEW_TOKENS)]
+
+
+@torch.no_grad()
+def exact_logprobs(model, tokenizer, prompt, completions, temperature):
+    """log p(y|x) for every completion y: [n]. Sums to one over `all_completions()`."""
+    device = next(model.parameters()).device
+    prompt_ids = tokenizer.convert_tokens_to_ids([prompt])
+    rows = [prompt_ids + tokenizer.convert_tokens_to_ids(c) for c in completions]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        response_mask[i, len(prompt_ids):len(row)] = 1
+    attention_mask = (response_mask + (torch.arange(width) < len(prompt_ids)).long()).clamp(max=1)
+    return sequence_logprobs(model, input_ids.to(device), attention_mask.to(device),
+                             response_mask.to(device), temperature).cpu()
+
+
+class ToyTask(Task):
+    name = "toy"
+    defaults = dict(Task.defaults, steps=300, prompts_per_step=2, group_size=16,
+                    max_new_tokens=MAX_NEW_TOKENS, beta=0.07, beta_final=0.07, lr=2e-3,
+                    warmup_steps=10, decay_steps=50, eval_every=25)
+
+    def load_model(self, device):
+        tokenizer = build_tokenizer()
+        return build_model(len(tokenizer)).to(device), tokenizer
+
+    def prompts(self, split, tokenizer):
+        return [Prompt(text=p, ids=tokenizer.convert_tokens_to_ids([p]), index=i)
+                for i, p in enumerate(MODES)]
+
+    def reward(self, prompts, completions):
+        return [reward_of(p.text, c) for p, c in zip(prompts, completions)]
+
+    def target_logprobs(self, ref_model, tokenizer, prompt, completions):
+        """log p*(y|x) = log p_ref(y|x) + r(x, y)/β − log Z(x), by enumeration."""
+        ref = exact_logprobs(ref_model, tokenizer, prompt, completions, self.cfg.temperature)
+        reward = torch.tensor([reward_of(prompt, " ".join(t for t in c if t != EOS))
+                               for c in completions])
+        unnormalised = ref + reward / self.cfg.beta_final
+        return unnormalised - torch.logsumexp(unnormalised, 0)
+
+    def evaluate(self, model, tokenizer, ref_model):
+        completions = all_completions()
+        metrics = {}
+        for prompt in MODES:
+            policy = exact_logprobs(model, tokenizer, prompt, completions, self.cfg.temperature).exp()
+            target = self.target_logprobs(ref_model, tokenizer, prompt, completions).exp()
+            metrics[f"toy/tv/{prompt}"] = 0.5 * (policy - target).abs().sum().item()
+        metrics["toy/tv"] = sum(metrics.values()) / len(MODES)
+        return metrics

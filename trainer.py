@@ -1,0 +1,165 @@
+"""The learner: sequence log-probs, the trajectory-balance and RLOO losses, schedules, one step.
+
+Everything here works on *groups*: B prompts with K completions each, so every per-trajectory
+tensor is shaped [B, K]. The batch layout is `buffer.GroupBatch`, whether it comes straight from
+the synchronous loop or from the replay buffer.
+"""
+import math
+
+import torch
+
+from buffer import GroupBatch
+
+
+def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=1.0,
+                      chunk_size=64):
+    """Sum of log p(token) over the response tokens of each sequence.            -> [N]
+
+    input_ids, attention_mask, response_mask: [N, T]. The response mask marks the tokens whose
+    log-probs count: the generated ones up to and including the EOS that ended them, never the
+    prompt or the padding. Prompts may be left-padded, so position ids are built from the mask;
+    otherwise the model would see different positions than it did while generating.
+
+    Memory: the model only computes logits for the positions from the first response token on
+    (`logits_to_keep`), and the log-softmax is taken `chunk_size` positions at a time, so no
+    float32 [N, T, vocab] tensor ever exists.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)        # [N, T]
+    first = int(response_mask.float().argmax(-1).min()) if response_mask.any() else 1
+    first = max(first, 1)                  # token t is predicted by the logits at t - 1
+    keep = input_ids.shape[1] - first + 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=keep, use_cache=False).logits                # [N, keep, V]
+    logits = logits[:, :-1]                                                    # [N, keep-1, V]
+    targets = input_ids[:, first:]                                             # [N, keep-1]
+    mask = response_mask[:, first:].float()                                   # [N, keep-1]
+    total = torch.zeros(input_ids.shape[0], device=input_ids.device, dtype=torch.float32)
+    for s in range(0, targets.shape[1], chunk_size):
+        chunk = logits[:, s:s + chunk_size].float() / temperature              # [N, c, V]
+        chosen = chunk.gather(-1, targets[:, s:s + chunk_size, None]).squeeze(-1)   # [N, c]
+        token_logp = chosen - torch.logsumexp(chunk, dim=-1)                   # [N, c]
+        total = total + (token_logp * mask[:, s:s + chunk_size]).sum(-1)
+    return total                                                               # [N]
+
+
+def tb_loss(logp, ref_logp, reward, beta):
+    """VarGrad trajectory balance towards p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β).
+
+        delta_i  = log p_θ(y_i|x) − log p_ref(y_i|x) − r_i / β
+        log Ẑ(x) = −mean_i delta_i                     (detached, one per prompt)
+        loss     = mean over prompts and i of (log Ẑ(x) + delta_i)²
+
+    All inputs are [B, K]: row b holds the K completions of prompt b. The loss is zero exactly
+    when log p_θ − log p_ref − r/β is constant within each group, i.e. when p_θ ∝ p_ref·exp(r/β)
+    on the sampled completions. Any behaviour policy may have produced them: that is why stale
+    and replayed data are fine. Returns (loss, log_z [B]).
+    """
+    delta = logp - ref_logp - reward / beta                     # [B, K]
+    log_z = -delta.mean(dim=1).detach()                         # [B]
+    loss = (log_z[:, None] + delta).pow(2).mean()               # []
+    return loss, log_z
+
+
+def rloo_loss(logp, ref_logp, reward, beta):
+    """On-policy REINFORCE leave-one-out: the baseline TB is compared against.
+
+    The reward is KL-regularised, r − β·(log p_θ − log p_ref), and each completion's baseline is
+    the mean of the other K − 1 in its group. Valid only for samples from the current policy.
+    """
+    k = logp.shape[1]
+    kl_reward = (reward - beta * (logp - ref_logp)).detach()                   # [B, K]
+    baseline = (kl_reward.sum(1, keepdim=True) - kl_reward) / (k - 1)          # [B, K]
+    advantage = kl_reward - baseline                                           # [B, K]
+    return -(advantage * logp).mean()
+
+
+LOSSES = {"tb": tb_loss, "rloo": rloo_loss}
+
+
+def beta_at(step, beta, beta_final, beta_steps):
+    """β annealed linearly from `beta` to `beta_final` over `beta_steps` steps, then held."""
+    if beta_steps <= 0:
+        return beta_final
+    frac = min(step / beta_steps, 1.0)
+    return beta + frac * (beta_final - beta)
+
+
+def wsd_factor(step, total_steps, warmup_steps, decay_steps):
+    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to zero."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_start = total_steps - decay_steps
+    if decay_steps > 0 and step >= decay_start:
+        return max(0.0, (total_steps - step) / decay_steps)
+    return 1.0
+
+
+def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
+    """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: wsd_factor(step, total_steps, warmup_steps, decay_steps))
+    return optimizer, scheduler
+
+
+def group_inputs(batch: GroupBatch, group_slice=slice(None)):
+    """Lay the groups out as model inputs: prompt (left-padded) then response (right-padded).
+
+    Returns input_ids, attention_mask, response_mask, all [n·K, P + R], in the order
+    (group 0: completions 0..K-1, group 1: ...), so `.view(n, K)` recovers the groups.
+    """
+    prompt_ids = batch.prompt_ids[group_slice]                                 # [n, P]
+    prompt_mask = batch.prompt_mask[group_slice]                               # [n, P]
+    response_ids = batch.response_ids[group_slice]                             # [n, K, R]
+    response_len = batch.response_len[group_slice]                             # [n, K]
+    n, k, r = response_ids.shape
+    positions = torch.arange(r, device=response_ids.device)
+    response_mask = (positions < response_len[..., None]).long()               # [n, K, R]
+    input_ids = torch.cat([prompt_ids[:, None].expand(n, k, -1), response_ids], -1)
+    attention_mask = torch.cat([prompt_mask[:, None].expand(n, k, -1).long(), response_mask], -1)
+    response_mask = torch.cat([torch.zeros_like(prompt_mask)[:, None].expand(n, k, -1).long(),
+                               response_mask], -1)
+    flat = lambda t: t.reshape(n * k, -1)
+    return flat(input_ids), flat(attention_mask), flat(response_mask)
+
+
+def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", temperature=1.0,
+               micro_groups=None, max_grad_norm=None):
+    """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups.
+
+    Splitting by whole groups keeps each log Ẑ a mean over its own K completions, so the
+    accumulated gradient equals the gradient of the full-batch loss exactly. The model stays in
+    eval mode: dropout would make the trained log-probs differ from the sampled ones.
+    """
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    b, k = batch.reward.shape
+    micro_groups = micro_groups or b
+    loss_fn = LOSSES[loss]
+    optimizer.zero_grad(set_to_none=True)
+    total_loss, logps, log_zs = 0.0, [], []
+    for start in range(0, b, micro_groups):
+        part = slice(start, min(start + micro_groups, b))
+        n = part.stop - part.start
+        input_ids, attention_mask, response_mask = group_inputs(batch, part)
+        logp = sequence_logprobs(model, input_ids, attention_mask, response_mask,
+                                 temperature).view(n, k)                      # [n, K]
+        out = loss_fn(logp, batch.ref_logp[part], batch.reward[part], beta)
+        part_loss, log_z = out if isinstance(out, tuple) else (out, None)
+        (part_loss * n / b).backward()
+        total_loss += part_loss.item() * n / b
+        logps.append(logp.detach())
+        if log_z is not None:
+            log_zs.append(log_z)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), max_grad_norm if max_grad_norm else math.inf)
+    optimizer.step()
+    scheduler.step()
+    logp = torch.cat(logps)                                                    # [B, K]
+    return {
+        "loss": total_loss,
+        "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
+        "kl": (logp - batch.ref_logp).mean().item(),
+        "reward_mean": batch.reward.mean().item(),
+        "grad_norm": grad_norm.item(),
+    }
