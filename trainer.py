@@ -5,6 +5,7 @@ tensor is shaped [B, K]. The batch layout is `buffer.GroupBatch`, whether it com
 the synchronous loop or from the replay buffer.
 """
 import math
+import queue
 
 import torch
 
@@ -163,3 +164,56 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", 
         "reward_mean": batch.reward.mean().item(),
         "grad_norm": grad_norm.item(),
     }
+
+
+class WeightChannel:
+    """Ships the trainer's weights to the searchers: shared memory for the bytes, queues for the news.
+
+    Two shared-memory copies of the parameters are allocated once (so shared memory does not grow
+    from sync to sync), each with its own lock. Version v is written into slot v % 2 and each
+    searcher's queue gets a note (version, slot). A searcher copies the slot out under the same
+    lock and takes the version stored *in the slot*, so it never loads a half-written state dict
+    and never mislabels one. With two slots, the trainer only waits if a searcher is still
+    reading the weights from two syncs ago.
+    """
+
+    def __init__(self, model, n_readers, ctx):
+        state = model.state_dict()
+        self.names = list(state)
+        self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
+                      for _ in range(2)]
+        self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
+        self.locks = [ctx.Lock() for _ in range(2)]
+        self.queues = [ctx.Queue() for _ in range(n_readers)]
+
+    @torch.no_grad()
+    def publish(self, model, version):
+        """Trainer side: copy the weights into the free slot, then tell every searcher."""
+        slot = version % 2
+        state = model.state_dict()
+        with self.locks[slot]:
+            for name in self.names:
+                self.slots[slot][name].copy_(state[name])
+            self.slot_version[slot] = version
+        for queue in self.queues:
+            queue.put((version, slot))
+
+    @torch.no_grad()
+    def receive(self, model, reader, current_version, block=False):
+        """Searcher side: load the newest published weights if newer than ours. -> version"""
+        note = None
+        try:
+            note = self.queues[reader].get(block=block)
+            while True:                             # skip to the newest note
+                note = self.queues[reader].get_nowait()
+        except queue.Empty:
+            pass
+        if note is None:
+            return current_version
+        slot = note[1]
+        with self.locks[slot]:
+            version = int(self.slot_version[slot])
+            if version <= current_version:
+                return current_version
+            model.load_state_dict(self.slots[slot], strict=True)
+        return version

@@ -29,7 +29,8 @@ class Task:
     # Config fields a task chooses when the user leaves them unset (None on the command line).
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
-                    warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0)
+                    warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0, sync_every=2,
+                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000)
 
     def __init__(self, cfg):
         self.cfg = cfg

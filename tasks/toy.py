@@ -27,6 +27,8 @@ MODES = {
     "d": ["d c b a", "a a d d", "b b b b"],
 }
 MAX_NEW_TOKENS = 5
+import os
+HIDDEN = int(os.environ.get("TOY_HIDDEN", 64)); LAYERS = int(os.environ.get("TOY_LAYERS", 2))
 MODEL_SEED = 1234                         # fixed, so every run (and process) has the same p_ref
 
 
@@ -40,8 +42,8 @@ def build_tokenizer():
 
 
 def build_model(vocab_size):
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=16, eos_token_id=0, pad_token_id=0,
                          bos_token_id=None, tie_word_embeddings=True,
                          initializer_range=0.005)   # small: p_ref near uniform, modes balanced

@@ -1,0 +1,103 @@
+"""The asynchronous engine with real processes: weight sync, searchers, failure handling."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.multiprocessing as mp
+
+from tasks.toy import build_model, build_tokenizer
+from trainer import WeightChannel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fill(model, value):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def read_versions(channel, n_loads, results):
+    """Searcher side of the fingerprint test: every loaded state dict must be one version."""
+    model = build_model(len(build_tokenizer()))
+    version, seen, torn = -1, [], 0
+    while len(seen) < n_loads:
+        new = channel.receive(model, 0, version, block=True)
+        values = torch.cat([p.flatten() for p in model.parameters()])
+        torn += int(not torch.all(values == values[0]) or values[0].item() != new)
+        if new != version:
+            seen.append(new)
+        version = new
+    results.put((seen, torn))
+
+
+def test_weight_sync_never_mixes_versions():
+    ctx = mp.get_context("spawn")
+    model = build_model(len(build_tokenizer()))
+    channel = WeightChannel(model, n_readers=1, ctx=ctx)
+    storages = [t.untyped_storage().data_ptr() for slot in channel.slots for t in slot.values()]
+    results = ctx.Queue()
+    reader = ctx.Process(target=read_versions, args=(channel, 20, results))
+    reader.start()
+    version, deadline = 0, time.time() + 120
+    while results.empty() and time.time() < deadline:
+        version += 1
+        fill(model, float(version))          # the fingerprint: every weight equals the version
+        channel.publish(model, version)
+    seen, torn = results.get(timeout=60)
+    reader.join(10)
+    assert torn == 0
+    assert seen == sorted(seen) and len(seen) == 20 and seen[-1] <= version
+    # publishing reuses the two shared slots: shared memory does not grow from sync to sync
+    assert storages == [t.untyped_storage().data_ptr() for slot in channel.slots for t in slot.values()]
+
+
+def run_tba(tmp_path, *args, timeout=600):
+    return subprocess.run([sys.executable, "tba.py", "--task", "toy", "--out", str(tmp_path), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(path):
+    lines = [json.loads(line) for line in open(path)]
+    return [r for r in lines if "loss" in r], [r for r in lines if "toy/tv" in r]
+
+
+def test_two_searchers_run_and_exit_cleanly(tmp_path):
+    sync_every, max_staleness = 2, 3
+    result = run_tba(tmp_path, "--searchers", "2", "--steps", "40", "--eval-every", "0",
+                     "--sync-every", str(sync_every), "--max-staleness", str(max_staleness))
+    assert result.returncode == 0, result.stderr
+    train_rows, eval_rows = rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in train_rows] == list(range(1, 41))
+    for r in train_rows:
+        assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= max_staleness
+        assert r["version"] == r["step"] - 1 and r["buffer_groups"] >= 2
+    assert any(r["staleness_max"] > 0 for r in train_rows)      # data really was off-policy
+    assert train_rows[-1]["gen_tokens_per_s"] > 0
+    assert "final" in result.stdout
+
+
+def test_killed_searcher_stops_the_run(tmp_path):
+    proc = subprocess.Popen([sys.executable, "tba.py", "--task", "toy", "--searchers", "2",
+                             "--steps", "100000", "--eval-every", "0", "--out", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(rows(metrics)[0]) >= 5):
+        time.sleep(0.2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    searchers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(searchers) == 2
+    os.kill(searchers[1].pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "searcher" in stderr and "died" in stderr and "Traceback" not in stderr
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    train_rows, _ = rows(metrics)                       # every line written is intact JSON
+    assert len(train_rows) >= 5
