@@ -7,13 +7,13 @@ balance,  p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β),  by total variation (`toy
 
 The reward has separated modes: a completion of exactly four letters scores the fraction of
 positions it shares with the nearest of three mode strings; anything else scores 0. The model is
-a two-layer Llama with random weights, built in code; those initial weights are the reference.
+a two-layer GPT-2 with random weights, built in code; those initial weights are the reference.
 """
 import itertools
 
 import torch
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tasks import Prompt, Task
 from trainer import sequence_logprobs
@@ -27,8 +27,6 @@ MODES = {
     "d": ["d c b a", "a a d d", "b b b b"],
 }
 MAX_NEW_TOKENS = 5
-import os
-HIDDEN = int(os.environ.get("TOY_HIDDEN", 64)); LAYERS = int(os.environ.get("TOY_LAYERS", 2))
 MODEL_SEED = 1234                         # fixed, so every run (and process) has the same p_ref
 
 
@@ -42,14 +40,16 @@ def build_tokenizer():
 
 
 def build_model(vocab_size):
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=16, eos_token_id=0, pad_token_id=0,
-                         bos_token_id=None, tie_word_embeddings=True,
-                         initializer_range=0.005)   # small: p_ref near uniform, modes balanced
+    """A two-layer GPT-2 with random weights. Absolute position embeddings matter here: with
+    only relative ones (RoPE) a model cannot tell the prefix "a" from "a a", whose attention
+    averages the same vectors, so a mode like "a b c d" after the prompt "a" is unlearnable."""
+    config = GPT2Config(vocab_size=vocab_size, n_positions=16, n_embd=64, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0,
+                        initializer_range=0.005)   # small: p_ref near uniform, modes balanced
     with torch.random.fork_rng():
         torch.manual_seed(MODEL_SEED)
-        return LlamaForCausalLM(config).eval()
+        return GPT2LMHeadModel(config).eval()
 
 
 def reward_of(prompt_text, completion):
@@ -84,9 +84,13 @@ def exact_logprobs(model, tokenizer, prompt, completions, temperature):
 
 class ToyTask(Task):
     name = "toy"
-    defaults = dict(Task.defaults, steps=300, prompts_per_step=2, group_size=16,
-                    max_new_tokens=MAX_NEW_TOKENS, beta=0.07, beta_final=0.07, lr=2e-3,
-                    warmup_steps=10, decay_steps=50, eval_every=25)
+    # β starts high, where p* is close to p_ref and every mode is easy to reach, and is annealed
+    # to its final value: at a fixed small β on-policy TB tends to lock onto some modes and lose
+    # the others (its on-policy gradient is that of the mode-seeking KL(p_θ || p*)).
+    defaults = dict(Task.defaults, steps=1500, prompts_per_step=2, group_size=64,
+                    max_new_tokens=MAX_NEW_TOKENS, beta=0.5, beta_final=0.07, beta_steps=1000,
+                    lr=5e-4, warmup_steps=10, decay_steps=300, eval_every=100, sync_every=2,
+                    recent_frac=0.95, min_buffer=4, buffer_capacity=200)
 
     def load_model(self, device):
         tokenizer = build_tokenizer()

@@ -101,3 +101,13 @@ def test_killed_searcher_stops_the_run(tmp_path):
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     train_rows, _ = rows(metrics)                       # every line written is intact JSON
     assert len(train_rows) >= 5
+
+
+def test_stale_replayed_data_still_reaches_the_target(tmp_path):
+    """TB is valid off-policy: half of each batch replayed from anywhere in the buffer, weights
+    shipped every 4 steps, and the policy still matches p* exactly enough."""
+    result = run_tba(tmp_path, "--searchers", "1", "--recent-frac", "0.5", "--sync-every", "4")
+    assert result.returncode == 0, result.stderr
+    train_rows, eval_rows = rows(tmp_path / "metrics.jsonl")
+    assert max(r["staleness_max"] for r in train_rows) >= 4
+    assert eval_rows[0]["toy/tv"] > 0.5 and eval_rows[-1]["toy/tv"] <= 0.1
