@@ -150,7 +150,7 @@ def placement(cfg):
 
 
 def evaluate(task, model, tokenizer, ref_model, step, start, log):
-    metrics = task.evaluate(model, tokenizer, ref_model)
+    metrics = task.evaluate(model, tokenizer, ref_model, step=step)
     log.write({"step": step, "time": round(time.time() - start, 3), **metrics})
     return metrics
 

@@ -46,7 +46,7 @@ class Task:
     def reward(self, prompts, completions):
         raise NotImplementedError
 
-    def evaluate(self, model, tokenizer, ref_model):
+    def evaluate(self, model, tokenizer, ref_model, step=None):
         raise NotImplementedError
 
 

@@ -111,7 +111,7 @@ class ToyTask(Task):
         unnormalised = ref + reward / self.cfg.beta_final
         return unnormalised - torch.logsumexp(unnormalised, 0)
 
-    def evaluate(self, model, tokenizer, ref_model):
+    def evaluate(self, model, tokenizer, ref_model, step=None):
         completions = all_completions()
         metrics = {}
         for prompt in MODES:
