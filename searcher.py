@@ -7,8 +7,10 @@ watched by `SearcherPool`) call it in a loop in their own processes and write th
 replay buffer.
 """
 import copy
+import os
 import queue
 import random
+import signal
 import time
 import traceback
 
@@ -65,6 +67,8 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     short report (tokens, seconds, rewards) to the trainer. Any exception is reported with its
     traceback before the process exits.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the trainer's to handle: it stops us
+    parent = os.getppid()
     try:
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed + 1 + rank)
@@ -74,7 +78,7 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
         version = weights.receive(policy, rank, -1, block=True)
         shard = task.prompts("train", tokenizer)[rank::cfg.searchers]
         batches = prompt_batches(shard, cfg.prompts_per_step, cfg.seed + 1 + rank)
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
             version = weights.receive(policy, rank, version)
             start = time.time()
             prompts = next(batches)
@@ -89,8 +93,6 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
             reports.put({"rank": rank, "tokens": int(batch.response_len.sum()),
                          "seconds": time.time() - start, "groups": len(prompts),
                          "reward": batch.reward.mean().item()})
-    except KeyboardInterrupt:          # Ctrl-C reaches every process; the trainer reports it
-        pass
     except BaseException:
         reports.put({"rank": rank, "error": traceback.format_exc()})
         raise

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -159,6 +160,7 @@ def wait_for_groups(buffer, pool, n_groups, min_version):
     """Block until the buffer holds n_groups recent enough to train on. -> seconds waited"""
     start = time.time()
     while buffer.count(min_version) < n_groups:
+        check_stop()
         pool.poll()
         time.sleep(0.01)
     return time.time() - start
@@ -201,6 +203,7 @@ def train(cfg):
             wait_for_groups(buffer, pool, max(cfg.min_buffer, cfg.prompts_per_step), -1)
         samples, tokens, last = 0, 0, time.time()
         for step in range(1, cfg.steps + 1):
+            check_stop()
             version = step - 1                   # updates the policy has had before this step
             beta = trainer.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
             wait_s = sync_s = 0.0
@@ -250,13 +253,33 @@ def train(cfg):
     return metrics
 
 
+stop_signals = 0
+
+
+def request_stop(signum, frame):
+    """Ctrl-C or `kill`: stop at the end of the current step, where no lock or queue is in use;
+    a second one stops at once."""
+    global stop_signals
+    stop_signals += 1
+    if stop_signals > 1:
+        raise KeyboardInterrupt
+
+
+def check_stop():
+    if stop_signals:
+        raise KeyboardInterrupt
+
+
 def main(argv=None):
+    global stop_signals
     try:
         cfg = resolve(parse_args(argv))
         placement(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    stop_signals = 0
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         train(cfg)
     except searcher.SearcherError as e:
@@ -266,6 +289,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"interrupted; metrics so far are in {cfg.out}/metrics.jsonl", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

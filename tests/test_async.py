@@ -58,6 +58,12 @@ def test_weight_sync_never_mixes_versions():
     assert storages == [t.untyped_storage().data_ptr() for slot in channel.slots for t in slot.values()]
 
 
+def assert_all_exit(processes):
+    """No orphans: every child (searchers, multiprocessing's resource tracker) ends within seconds."""
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive
+
+
 def run_tba(tmp_path, *args, timeout=600):
     return subprocess.run([sys.executable, "tba.py", "--task", "toy", "--out", str(tmp_path), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -98,7 +104,7 @@ def test_killed_searcher_stops_the_run(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "searcher" in stderr and "died" in stderr and "Traceback" not in stderr
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert_all_exit(children)
     train_rows, _ = rows(metrics)                       # every line written is intact JSON
     assert len(train_rows) >= 5
 
@@ -111,3 +117,26 @@ def test_stale_replayed_data_still_reaches_the_target(tmp_path):
     train_rows, eval_rows = rows(tmp_path / "metrics.jsonl")
     assert max(r["staleness_max"] for r in train_rows) >= 4
     assert eval_rows[0]["toy/tv"] > 0.5 and eval_rows[-1]["toy/tv"] <= 0.1
+
+
+def test_interrupt_stops_cleanly(tmp_path):
+    """Ctrl-C (SIGINT) or `kill` (SIGTERM): a clear line, no orphans, no leaked semaphores."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    for sig, name in [(signal.SIGINT, "int"), (signal.SIGTERM, "term")]:
+        out = tmp_path / name
+        proc = subprocess.Popen([sys.executable, "tba.py", "--task", "toy", "--searchers", "1",
+                                 "--steps", "100000", "--eval-every", "0", "--out", str(out)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists()
+                                               and len(rows(out / "metrics.jsonl")[0]) >= 5):
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "interrupted" in stderr
+        assert "Traceback" not in stderr
+        assert_all_exit(children)
+        assert len(rows(out / "metrics.jsonl")[0]) >= 5
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm_before
