@@ -248,6 +248,7 @@ def train(cfg):
     finally:
         if pool:
             pool.close()
+            weights.close()
     summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
     print(f"final ({cfg.steps} steps, {time.time() - start:.0f} s, {samples} samples): {summary}")
     return metrics

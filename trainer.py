@@ -198,6 +198,12 @@ class WeightChannel:
         for queue in self.queues:
             queue.put((version, slot))
 
+    def close(self):
+        """Trainer side, at shutdown: unread notes are dropped instead of blocking the exit."""
+        for queue_ in self.queues:
+            queue_.close()
+            queue_.cancel_join_thread()
+
     @torch.no_grad()
     def receive(self, model, reader, current_version, block=False):
         """Searcher side: load the newest published weights if newer than ours. -> version"""
