@@ -179,7 +179,11 @@ class WeightChannel:
 
     def __init__(self, model, n_readers, ctx):
         state = model.state_dict()
-        self.names = list(state)
+        # Tied weights (embedding = output layer) appear under two names: ship them once.
+        seen = set()
+        self.names = [k for k, v in state.items()
+                      if v.data_ptr() not in seen and not seen.add(v.data_ptr())]
+        state = {k: state[k] for k in self.names}
         self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
                       for _ in range(2)]
         self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
@@ -221,5 +225,7 @@ class WeightChannel:
             version = int(self.slot_version[slot])
             if version <= current_version:
                 return current_version
-            model.load_state_dict(self.slots[slot], strict=True)
+            state = model.state_dict()            # the model's own tensors: copy in place
+            for name in self.names:
+                state[name].copy_(self.slots[slot][name])
         return version
