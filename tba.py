@@ -39,6 +39,17 @@ class Config:
     model: str = flag("", "hub id, local HF folder or .gguf file (default: the task's model, "
                           f"{models.DEFAULT_MODEL} for language tasks)")
     trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
+    data_dir: str = flag("", "gsm8k: folder holding train.jsonl and test.jsonl (default: "
+                             "../shared/data/gsm8k when it exists, else the hub's openai/gsm8k)")
+    prompt_style: str = flag("auto", "math tasks: chat (the tokenizer's chat template) or plain "
+                                     "('[MATH TASK] Problem: ...'); auto: chat when the "
+                                     "tokenizer has a chat template")
+    max_prompt_len: int = flag(512, "math tasks: skip (and count) prompts longer than this, "
+                                    "in tokens")
+    eval_batch_size: int = flag(16, "math tasks: prompts per batch of greedy evaluation")
+    arith_digits: int = flag(None, f"arith: digits of each number in a problem {TASK_DEFAULT}")
+    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}")
+    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}")
     # how much
     steps: int = flag(None, f"trainer steps {TASK_DEFAULT}")
     prompts_per_step: int = flag(None, f"B, prompts (groups) per trainer step {TASK_DEFAULT}")

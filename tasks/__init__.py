@@ -51,7 +51,8 @@ class Task:
 
 
 # Imported on demand, so that a task's optional dependencies are only needed when it is used.
-TASKS = {"toy": "tasks.toy:ToyTask"}
+TASKS = {"toy": "tasks.toy:ToyTask", "gsm8k": "tasks.gsm8k:Gsm8kTask",
+         "arith": "tasks.arith:ArithTask"}
 
 
 def task_class(name):

@@ -1,0 +1,77 @@
+"""Arithmetic word problems, generated: a real task that a small model learns on a laptop.
+
+    Mia has 47 stickers. She gives 12 to a friend. She buys 3 boxes with 8 stickers in each.
+    How many stickers does Mia have now?
+
+Three knobs set the difficulty: --arith-digits (numbers have up to that many digits),
+--arith-steps (operations after the first sentence) and --arith-ops (which operations: "+"
+buys more, "-" gives some away, "*" buys boxes of a given size). The problems are drawn with a
+fixed seed that depends only on the knobs, so every run (and every process) sees the same
+5,000 training and 200 test problems, and no test question is among the training ones.
+Prompts, reward and evaluation are the ones of GSM8K (`tasks.answers`).
+"""
+import functools
+import random
+
+from tasks.answers import AnswerTask
+
+TRAIN_SIZE, TEST_SIZE = 5000, 200
+NAMES = [("Tom", "he", "him"), ("Mia", "she", "her"), ("Sam", "he", "him"), ("Ana", "she", "her"),
+         ("Leo", "he", "him"), ("Zoe", "she", "her"), ("Ben", "he", "him"), ("Eva", "she", "her")]
+ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "stamps"]
+SENTENCES = {
+    "+": ["{He} buys {n} more.", "{He} finds {n} more.", "A friend gives {him} {n} more."],
+    "-": ["{He} gives {n} to a friend.", "{He} loses {n}.", "{He} sells {n}."],
+    "*": ["{He} buys {k} boxes with {n} {item} in each."],
+}
+
+
+def make_problem(rng, digits, steps, ops):
+    """One problem -> (question, answer). Numbers have 1..`digits` digits, box counts one digit,
+    and nothing is given away that is not there, so every intermediate count is positive."""
+    name, he, him = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    largest = 10 ** digits - 1
+    total = rng.randint(2, largest)                # "1 apples" would read badly
+    sentences = [f"{name} has {total} {item}."]
+    for _ in range(steps):
+        op = rng.choice(ops)
+        if op == "-" and total < 2:
+            op = "+"
+        n = rng.randint(1, min(largest, total - 1) if op == "-" else largest)
+        k = rng.randint(2, 9)
+        total += {"+": n, "-": -n, "*": k * n}[op]
+        sentences.append(rng.choice(SENTENCES[op]).format(He=he.capitalize(), him=him, n=n, k=k,
+                                                           item=item))
+    sentences.append(f"How many {item} does {name} have now?")
+    return " ".join(sentences), str(total)
+
+
+@functools.cache
+def make_splits(digits, steps, ops):
+    """{"train": [(question, answer)] * 5000, "test": [...] * 200}, the same in every process."""
+    if digits < 1 or steps < 1 or not ops or set(ops) - set(SENTENCES):
+        raise ValueError(f"arith needs --arith-digits >= 1, --arith-steps >= 1 and --arith-ops "
+                         f"made of + - * (got {digits}, {steps}, {ops!r})")
+    rng = random.Random(f"arith-{digits}-{steps}-{ops}")      # independent of --seed on purpose
+    test = [make_problem(rng, digits, steps, ops) for _ in range(TEST_SIZE)]
+    seen = {q for q, _ in test}
+    train = []
+    while len(train) < TRAIN_SIZE:
+        question, answer = make_problem(rng, digits, steps, ops)
+        if question not in seen:
+            seen.add(question)
+            train.append((question, answer))
+    return {"train": train, "test": test}
+
+
+class ArithTask(AnswerTask):
+    name = "arith"
+    defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
+                    steps=40, prompts_per_step=4, group_size=8, max_new_tokens=128,
+                    temperature=0.7, beta=0.05, beta_final=0.05, beta_steps=0, lr=2e-5,
+                    warmup_steps=5, decay_steps=10, eval_every=10, eval_n=64, sync_every=2,
+                    recent_frac=0.95, min_buffer=4, buffer_capacity=500)
+
+    def examples(self, split):
+        return make_splits(self.cfg.arith_digits, self.cfg.arith_steps, self.cfg.arith_ops)[split]

@@ -1,0 +1,68 @@
+"""GSM8K: grade-school math word problems, rewarded 1 for the right final number.
+
+The paper's main task. 7,473 training and 1,319 test problems, each with a worked solution that
+ends in "#### <answer>". The data comes from a local folder holding `train.jsonl` and
+`test.jsonl` in that original format (--data-dir; by default the repository's sibling folder
+../shared/data/gsm8k when it exists), else from the Hugging Face hub (`openai/gsm8k`) through
+the `datasets` package.
+"""
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import models
+from tasks.answers import AnswerTask, extract_answer
+
+LOCAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
+HOW_TO_GET = ("pass --data-dir FOLDER holding train.jsonl and test.jsonl from "
+              "https://github.com/openai/grade-school-math (grade_school_math/data), "
+              "or `pip install datasets` on a machine that reaches the Hugging Face hub")
+
+
+@functools.cache
+def load_gsm8k(data_dir=""):
+    """{"train": [(question, solution), ...], "test": [...]}, from a folder or the hub.
+
+    Cached, so the trainer's evaluations and the searchers' prompts read the files once per
+    process.
+    """
+    folder = Path(data_dir).expanduser() if data_dir else LOCAL_DATA
+    if data_dir or folder.is_dir():
+        files = {split: folder / f"{split}.jsonl" for split in ("train", "test")}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise ValueError(f"GSM8K data not found ({', '.join(missing)} missing): {HOW_TO_GET}")
+        return {split: [(row["question"], row["answer"])
+                        for row in map(json.loads, f.read_text().splitlines()) if row]
+                for split, f in files.items()}
+    # The hub: only tried when it answers at once, so an offline machine fails in seconds.
+    if importlib.util.find_spec("datasets") is None or not models._hub_reachable():
+        raise ValueError(f"GSM8K data not found locally and the hub is not usable: {HOW_TO_GET}")
+    import datasets
+    data = datasets.load_dataset(HUB_ID, HUB_CONFIG)
+    return {split: list(zip(data[split]["question"], data[split]["answer"]))
+            for split in ("train", "test")}
+
+
+class Gsm8kTask(AnswerTask):
+    name = "gsm8k"
+    # For SmolLM2-135M on a 2-core CPU, where sampling runs at ~120 tokens/s: 4 prompts × 8
+    # completions × up to 256 tokens is one step of a few minutes. The paper's recipe for
+    # a 4-GPU machine: K=20, 7 prompts per step, 512 new tokens, β 0.014 → 0.004 over 500 steps,
+    # lr 1e-5, m=0.95, k=2. β is larger here than in the paper because the reward is sparse
+    # for a 135M model (~4% greedy accuracy): a small β makes r/β huge and the loss noisy.
+    # eval_n: greedy evaluation of all 1,319 test questions takes over half an hour on a CPU,
+    # so the default is the first 128 (±2 points); pass --eval-n 0 on a GPU.
+    defaults = dict(AnswerTask.defaults, steps=500, prompts_per_step=4, group_size=8,
+                    max_new_tokens=256, temperature=1.0, beta=0.05, beta_final=0.02,
+                    beta_steps=500, lr=1e-5, warmup_steps=10, decay_steps=50, eval_every=50,
+                    eval_n=128, sync_every=2, recent_frac=0.95, min_buffer=4,
+                    buffer_capacity=1000)
+
+    def examples(self, split):
+        """(question, gold answer) pairs: the gold answer is the number after the solution's ####."""
+        return [(q, extract_answer(solution))
+                for q, solution in load_gsm8k(self.cfg.data_dir)[split]]
+
