@@ -16,6 +16,7 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+from transformers.utils import logging as transformers_logging
 
 import models
 import tasks
@@ -68,16 +69,20 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     traceback before the process exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the trainer's to handle: it stops us
+    transformers_logging.disable_progress_bar()     # the trainer's bars are the ones to watch
     parent = os.getppid()
     try:
         torch.set_num_threads(threads)
-        torch.manual_seed(cfg.seed + 1 + rank)
         task = tasks.make_task(cfg)
         policy, tokenizer = task.load_model(torch.device(device))
         ref_model = copy.deepcopy(policy).requires_grad_(False)
         version = weights.receive(policy, rank, -1, block=True)
+        # One seed per (rank, starting version): searchers differ from each other and from the
+        # trainer, and a resumed run does not replay the samples of its first session.
+        seed = cfg.seed + 1 + rank + cfg.searchers * max(version, 0)
+        torch.manual_seed(seed)
         shard = task.prompts("train", tokenizer)[rank::cfg.searchers]
-        batches = prompt_batches(shard, cfg.prompts_per_step, cfg.seed + 1 + rank)
+        batches = prompt_batches(shard, cfg.prompts_per_step, seed)
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
             version = weights.receive(policy, rank, version)
             start = time.time()

@@ -17,8 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from tqdm.auto import tqdm
+from transformers.utils import logging as transformers_logging
 
+import checkpoint
 import models
+import plot
 import searcher
 import tasks
 import trainer
@@ -30,12 +34,17 @@ def flag(default, help):
 
 
 TASK_DEFAULT = "(default: the task's choice)"
+# What may change when a run is resumed: how long it goes on, how it is watched and where it
+# runs. Everything else would make the resumed run a different experiment.
+RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
+                    "save_every", "keep_checkpoints", "quiet", "searchers", "device")
 
 
 @dataclass
 class Config:
     # what to train
-    task: str = flag("toy", "task to train on: " + ", ".join(tasks.TASKS))
+    task: str = flag("toy", "task to train on: " + ", ".join(tasks.TASKS)
+                            + ", or your own Task subclass as module:Class")
     model: str = flag("", "hub id, local HF folder or .gguf file (default: the task's model, "
                           f"{models.DEFAULT_MODEL} for language tasks)")
     trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
@@ -47,7 +56,10 @@ class Config:
     max_prompt_len: int = flag(512, "math tasks: skip (and count) prompts longer than this, "
                                     "in tokens")
     eval_batch_size: int = flag(16, "math tasks: prompts per batch of greedy evaluation")
-    arith_digits: int = flag(None, f"arith: digits of each number in a problem {TASK_DEFAULT}")
+    eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
+                                   "at --temperature and log their mean reward as "
+                                   f"eval/sampled_accuracy (0: greedy only) {TASK_DEFAULT}")
+    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}")
     arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}")
     arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}")
     # how much
@@ -66,8 +78,8 @@ class Config:
     lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}")
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}")
     decay_steps: int = flag(None, f"final steps of linear decay to 0 (WSD) {TASK_DEFAULT}")
-    micro_groups: int = flag(0, "groups per forward/backward pass, gradients accumulated "
-                                "(0: all of them at once)")
+    micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
+                                   f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}")
     max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)")
     # asynchrony
     searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
@@ -87,21 +99,38 @@ class Config:
                                  f"{TASK_DEFAULT}")
     eval_n: int = flag(None, f"test prompts to evaluate on (0: all) {TASK_DEFAULT}")
     out: str = flag("", "run folder (default: runs/<task>-<timestamp>)")
+    save_every: int = flag(None, "write a checkpoint every this many steps; one is also written "
+                                 f"at the end and on Ctrl-C (0: only those) {TASK_DEFAULT}")
+    keep_checkpoints: int = flag(2, "how many of the newest checkpoints stay on disk (0: all)")
+    resume: str = flag("", "continue the run in this folder from its newest checkpoint with its "
+                           "settings; only " + ", ".join("--" + f.replace("_", "-")
+                                                        for f in RESUME_OVERRIDES)
+                           + " may be given again, to change them")
+    quiet: bool = flag(False, "no progress bars: log lines only")
     seed: int = flag(0, "random seed")
     device: str = flag("auto", "torch device for the trainer: auto, cpu, cuda, cuda:1, ...")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser(with_defaults=True):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="python tba.py plot RUN [RUN ...] draws the curves of one or several runs")
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
         help = f.metadata["help"] + (f" (default: {f.default})" if f.default not in (None, "") else "")
+        default = f.default if with_defaults else argparse.SUPPRESS
         if f.type is bool:
-            parser.add_argument(name, action="store_true", help=f.metadata["help"])
+            parser.add_argument(name, action="store_true", default=default, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.__name__]
-            parser.add_argument(name, type=kind, default=f.default, help=help)
-    return Config(**vars(parser.parse_args(argv)))
+            parser.add_argument(name, type=kind, default=default, help=help)
+    return parser
+
+
+def parse_args(argv=None):
+    """-> (Config, names of the fields given on the command line)"""
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    return cfg, set(vars(build_parser(with_defaults=False).parse_args(argv)))
 
 
 def resolve(cfg):
@@ -130,11 +159,102 @@ def resolve(cfg):
     return cfg
 
 
+def read_run_config(run):
+    """The settings stored in a run folder's config.json."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
+                         "written by tba.py, such as runs/<name>")
+    try:
+        saved = json.loads(path.read_text())["config"]
+        assert isinstance(saved, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    if set(saved) != fields:
+        differ = sorted(set(saved) ^ fields)
+        raise ValueError(f"{run} was written by an incompatible version of tba (settings "
+                         f"{', '.join(differ)} differ): resume it with that version")
+    return saved
+
+
+def resumed_config(cfg, given):
+    """The settings of the run in --resume, with the flags given again (RESUME_OVERRIDES) applied."""
+    run = Path(cfg.resume)
+    if not run.is_dir():
+        raise ValueError(f"--resume {run}: no such folder (pass a run folder, such as runs/<name>)")
+    saved = read_run_config(run)
+    for name in sorted(given - {"resume"}):
+        if name not in RESUME_OVERRIDES and getattr(cfg, name) != saved[name]:
+            flag_name = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag_name} {getattr(cfg, name)} differs from the resumed run's "
+                             f"{saved[name]}: on resume only "
+                             + ", ".join("--" + f.replace("_", "-") for f in RESUME_OVERRIDES)
+                             + " may change; start a new run (--out) to change the rest")
+    if checkpoint.latest(run) is None:
+        raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
+                         "one): start it again with another --out, or delete the folder")
+    overrides = {name: getattr(cfg, name) for name in given if name in RESUME_OVERRIDES}
+    return resolve(Config(**{**saved, **overrides, "resume": str(run), "out": str(run)}))
+
+
+def check_out_folder(cfg):
+    """A new run never writes into another run's folder."""
+    out = Path(cfg.out)
+    if (out / "config.json").exists() or (out / "metrics.jsonl").exists():
+        raise ValueError(f"{out} already holds a run: continue it with --resume {out}, or pass "
+                         "another --out")
+
+
+def write_json(path, value):
+    """Write JSON atomically: a crash leaves the old file or the new one, never half of one."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
+def run_record(cfg, device, searcher_devices, threads):
+    """config.json: every resolved setting, the software versions and where each process ran."""
+    import platform
+    import subprocess
+    import transformers
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    return {"config": dataclasses.asdict(cfg),
+            "versions": {"tba": commit, "python": platform.python_version(),
+                         "torch": torch.__version__, "transformers": transformers.__version__},
+            "layout": {"trainer": str(device), "searchers": searcher_devices,
+                       "threads_per_process": threads, "cpu_count": os.cpu_count(),
+                       "gpus": torch.cuda.device_count()}}
+
+
 class MetricsLog:
     """Appends one JSON object per line to runs/<name>/metrics.jsonl, flushed every row."""
 
-    def __init__(self, path):
+    def __init__(self, path, resume_step=None):
+        """With `resume_step`, the rows after that step (written after the checkpoint, by a run
+        that then died) are moved to metrics.discarded.jsonl: the resumed run redoes them."""
+        path = Path(path)
+        if resume_step is not None and path.exists():
+            rows = path.read_text().splitlines(keepends=True)
+            steps = [MetricsLog.step_of(r) for r in rows]
+            keep = [step is not None and step <= resume_step for step in steps]
+            if not all(keep):
+                with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+                    f.writelines(r for r, k in zip(rows, keep) if not k)
+                kept = [r for r, k in zip(rows, keep) if k]
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, path)
         self.file = open(path, "a")
+
+    @staticmethod
+    def step_of(line):
+        """The step of a metrics line; None for a line cut short by a crash."""
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def write(self, row):
         self.file.write(json.dumps(row) + "\n")
@@ -164,13 +284,16 @@ def placement(cfg):
 def evaluate(task, model, tokenizer, ref_model, step, start, log):
     metrics = task.evaluate(model, tokenizer, ref_model, step=step)
     log.write({"step": step, "time": round(time.time() - start, 3), **metrics})
+    tqdm.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics
 
 
-def wait_for_groups(buffer, pool, n_groups, min_version):
+def wait_for_groups(buffer, pool, n_groups, min_version, progress=None):
     """Block until the buffer holds n_groups recent enough to train on. -> seconds waited"""
     start = time.time()
-    while buffer.count(min_version) < n_groups:
+    while (have := buffer.count(min_version)) < n_groups:
+        if progress is not None:
+            progress.update(have - progress.n)
         check_stop()
         pool.poll()
         time.sleep(0.01)
@@ -179,89 +302,149 @@ def wait_for_groups(buffer, pool, n_groups, min_version):
 
 def train(cfg):
     """Sample, score, take a trainer step, repeat: in-process (--searchers 0) or from the buffer
-    that searcher processes fill while the trainer learns."""
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    log = MetricsLog(out / "metrics.jsonl")
+    that searcher processes fill while the trainer learns. Everything that can fail on bad
+    input (model, data, checkpoint) is loaded before anything is written."""
     device, searcher_devices, threads = placement(cfg)
     if device.type == "cpu":
         torch.set_num_threads(threads)
-
+    transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
+    torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(device)
     ref_model = copy.deepcopy(policy).requires_grad_(False)
     optimizer, scheduler = trainer.make_optimizer(policy, cfg.lr, cfg.steps, cfg.warmup_steps,
                                                   cfg.decay_steps)
     prompts = task.prompts("train", tokenizer)
-    start = time.time()
-    metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log)
-    print("step 0: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    out = Path(cfg.out)
+    resumed = buffer_state = None
+    if cfg.resume:
+        resumed, buffer_state = checkpoint.load(checkpoint.latest(out), policy)
+        if resumed["step"] >= cfg.steps:
+            raise ValueError(f"{out} is already at step {resumed['step']}: pass --steps with a "
+                             "larger number to train it further")
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", run_record(cfg, device, searcher_devices, threads))
+    log = MetricsLog(out / "metrics.jsonl", resume_step=resumed["step"] if resumed else None)
+    start_step = resumed["step"] if resumed else 0
+    samples, tokens, groups = ((resumed["samples"], resumed["tokens"], resumed["groups"])
+                               if resumed else (0, 0, 0))
+    start = time.time() - (resumed["elapsed"] if resumed else 0.0)   # wall time spans sessions
+    if resumed:
+        tqdm.write(f"resuming {out} at step {start_step}")
+    else:
+        metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log)
 
     pool = None
     if cfg.searchers:
         buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, max(len(p.ids) for p in prompts),
                               cfg.max_new_tokens, tokenizer.pad_token_id)
+        if buffer_state is not None:
+            buffer.load_state_dict(buffer_state)
         weights = trainer.WeightChannel(policy, cfg.searchers, mp.get_context("spawn"))
-        weights.publish(policy, version=0)
+        weights.publish(policy, version=start_step)
         pool = searcher.SearcherPool(cfg, searcher_devices, threads, buffer, weights)
         sampler = torch.Generator().manual_seed(cfg.seed)
     else:
         batches = searcher.prompt_batches(prompts, cfg.prompts_per_step, cfg.seed)
+        for _ in range(start_step):          # the batches the resumed run has already used
+            next(batches)
+    if resumed:
+        torch.set_rng_state(resumed["rng"]["torch"])
+        if pool and resumed["rng"]["sampler"] is not None:
+            sampler.set_state(resumed["rng"]["sampler"])
+
+    def save_checkpoint(step):
+        state = {"step": step, "samples": samples, "tokens": tokens, "groups": groups,
+                 "elapsed": time.time() - start,
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(),
+                         "sampler": sampler.get_state() if pool else None}}
+        path = checkpoint.save(out, step, policy, tokenizer, state,
+                               buffer.state_dict() if pool else None, cfg.keep_checkpoints)
+        if cfg.quiet:
+            tqdm.write(f"step {step}: checkpoint {path}")
+        return path
+
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", disable=cfg.quiet,
+               dynamic_ncols=True)
+    done = start_step                        # the last step whose update is complete
     try:
         if pool:
-            wait_for_groups(buffer, pool, max(cfg.min_buffer, cfg.prompts_per_step), -1)
-        samples, tokens, last = 0, 0, time.time()
-        for step in range(1, cfg.steps + 1):
+            with tqdm(total=max(cfg.min_buffer, cfg.prompts_per_step), desc="filling the buffer",
+                      unit="group", disable=cfg.quiet, leave=False) as fill:
+                wait_for_groups(buffer, pool, fill.total, -1, progress=fill)
+        last = time.time()
+        for step in range(start_step + 1, cfg.steps + 1):
             check_stop()
             version = step - 1                   # updates the policy has had before this step
             beta = trainer.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
-            wait_s = sync_s = 0.0
+            wait_s = sync_s = search_s = 0.0
             if pool:
                 min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
                 wait_s = wait_for_groups(buffer, pool, cfg.prompts_per_step, min_version)
                 batch = buffer.sample(cfg.prompts_per_step, cfg.recent_frac,
                                       cfg.priority_temp or None, sampler, min_version)
             else:
+                t0 = time.time()
                 batch, _ = searcher.sample_groups(policy, ref_model, tokenizer, task, next(batches),
                                                   cfg.group_size, cfg.max_new_tokens,
                                                   cfg.temperature, version)
+                search_s = time.time() - t0
                 tokens += int(batch.response_len.sum())
+                groups += len(batch.version)
             lr = scheduler.get_last_lr()[0]
+            t0 = time.time()
             stats = trainer.train_step(policy, optimizer, scheduler, batch, beta, cfg.loss,
                                        cfg.temperature, cfg.micro_groups, cfg.max_grad_norm)
+            train_s = time.time() - t0
             if pool and step % cfg.sync_every == 0:
                 t0 = time.time()
                 weights.publish(policy, version=step)
                 sync_s = time.time() - t0
             if pool:
                 pool.poll()
-                tokens = pool.tokens
+                tokens = (resumed["tokens"] if resumed else 0) + pool.tokens
+                groups = (resumed["groups"] if resumed else 0) + pool.groups
             samples += batch.reward.numel()
             now = time.time()
             staleness = (version - batch.version).float()
-            log.write({"step": step, "time": round(now - start, 3), "samples": samples, **stats,
-                       "beta": beta, "lr": lr, "version": version,
-                       "staleness_mean": staleness.mean().item(),
-                       "staleness_max": staleness.max().item(),
-                       "buffer_groups": len(buffer) if pool else 0,
-                       "recent_frac_actual": batch.recent_count / len(batch.version) if pool else 1.0,
-                       "trainer_wait_s": round(wait_s, 4), "sync_s": round(sync_s, 4),
-                       "gen_tokens_per_s": round(tokens / (now - start), 2),
-                       "samples_per_s": round(batch.reward.numel() / (now - last), 2)})
-            last = now
+            row = {"step": step, "time": round(now - start, 3), "samples": samples, **stats,
+                   "beta": beta, "lr": lr, "version": version,
+                   "staleness_mean": staleness.mean().item(),
+                   "staleness_max": staleness.max().item(),
+                   "buffer_groups": len(buffer) if pool else 0,
+                   "recent_frac_actual": batch.recent_count / len(batch.version) if pool else 1.0,
+                   "trainer_wait_s": round(wait_s, 4), "sync_s": round(sync_s, 4),
+                   "search_s": round(search_s, 4), "train_s": round(train_s, 4),
+                   "gen_groups": groups, "gen_tokens_per_s": round(tokens / (now - start), 2),
+                   "samples_per_s": round(batch.reward.numel() / (now - last), 2)}
+            log.write(row)
+            last, done = now, step
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3g}",
+                            stale=f"{row['staleness_mean']:.1f}",
+                            samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
+            bar.update()
+            if cfg.save_every and step % cfg.save_every == 0:
+                save_checkpoint(step)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics = evaluate(task, policy, tokenizer, ref_model, step, start, log)
-                print(f"step {step}: reward={stats['reward_mean']:.3f} loss={stats['loss']:.4g} "
-                      f"staleness={staleness.mean().item():.2f} "
-                      + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        save_checkpoint(cfg.steps)
+        checkpoint.save_pretrained(policy, tokenizer, out / "final")
+    except KeyboardInterrupt:
+        if stop_signals == 1 and done > start_step:   # stopped at a step boundary: keep it
+            tqdm.write(f"saved {save_checkpoint(done)}; continue with: python tba.py --resume {out}")
+        raise
     finally:
+        bar.close()
         if pool:
             pool.close()
             weights.close()
     summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
     print(f"final ({cfg.steps} steps, {time.time() - start:.0f} s, {samples} samples): {summary}")
+    print(f"the trained model is in {out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
     return metrics
 
 
@@ -269,12 +452,13 @@ stop_signals = 0
 
 
 def request_stop(signum, frame):
-    """Ctrl-C or `kill`: stop at the end of the current step, where no lock or queue is in use;
-    a second one stops at once."""
+    """Ctrl-C or `kill`: stop at the end of the current step, where no lock or queue is in use,
+    and save a checkpoint there; a second one stops at once."""
     global stop_signals
     stop_signals += 1
     if stop_signals > 1:
         raise KeyboardInterrupt
+    os.write(2, b"\nstopping after this step (press Ctrl-C again to stop at once)\n")
 
 
 def check_stop():
@@ -284,8 +468,16 @@ def check_stop():
 
 def main(argv=None):
     global stop_signals
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:
+        return plot.main(argv[1:])
     try:
-        cfg = resolve(parse_args(argv))
+        cfg, given = parse_args(argv)
+        if cfg.resume:
+            cfg = resumed_config(cfg, given)
+        else:
+            cfg = resolve(cfg)
+            check_out_folder(cfg)
         placement(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -294,9 +486,13 @@ def main(argv=None):
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         train(cfg)
+    except (ValueError, models.ModelLoadError) as e:        # bad input found while loading
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except searcher.SearcherError as e:
-        print(f"error: {e}\nthe run stopped; metrics so far are in {cfg.out}/metrics.jsonl",
-              file=sys.stderr)
+        print(f"error: {e}\nthe run stopped; metrics so far are in {cfg.out}/metrics.jsonl"
+              + (f"; continue it with: python tba.py --resume {cfg.out}"
+                 if checkpoint.latest(cfg.out) else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"interrupted; metrics so far are in {cfg.out}/metrics.jsonl", file=sys.stderr)

@@ -30,7 +30,8 @@ class Task:
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
                     warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0, sync_every=2,
-                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000)
+                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000,
+                    micro_groups=0, save_every=50, eval_samples=0)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -56,10 +57,16 @@ TASKS = {"toy": "tasks.toy:ToyTask", "gsm8k": "tasks.gsm8k:Gsm8kTask",
 
 
 def task_class(name):
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
-    module, cls = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    """A registered task by name, or any Task subclass as "package.module:Class"."""
+    spec = TASKS.get(name, name if ":" in name else None)
+    if spec is None:
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}, "
+                         "or name your own as module:Class")
+    module, cls = spec.split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load task {name!r} ({e}): check the module:Class name") from e
 
 
 def make_task(cfg):

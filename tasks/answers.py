@@ -11,11 +11,14 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 import models
 from tasks import Prompt, Task
 
 # A number: an optional sign, an optional "$", digits with optional thousands commas, optional
-# decimals. The sign counts only where it cannot be a binary minus: "3-4" is 3 then 4, not −4.
+# decimals; what follows it ("%", "km", a full stop) is not part of it. Not inside a word
+# ("abc123"). The sign counts only where it cannot be a binary minus: "3-4" is 3 then 4, not −4.
 NUMBER = re.compile(r"(?<![\w.])([-−]?)\$?((?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 # Where a solution states its answer: GSM8K's "#### 18", or "The answer is 18".
 MARKER = re.compile(r"####|\bthe (?:final )?answer is\b", re.IGNORECASE)
@@ -27,6 +30,8 @@ def normalize_number(text):
     try:
         value = Decimal(text.replace(",", "").replace("$", "").replace("−", "-").strip())
     except InvalidOperation:
+        return None
+    if not value.is_finite():                       # "nan", "inf"
         return None
     if value == value.to_integral_value():
         return str(int(value))
@@ -70,33 +75,54 @@ def answers_match(pred, gold):
     return pred_n == gold_n
 
 
+def complete(task, model, tokenizer, prompts, max_new_tokens, batch_size, num_samples=1,
+             temperature=1.0, greedy=True):
+    """Completions for each prompt, -> list (per prompt) of `num_samples` strings. Prompts are
+    generated in batches of similar length: less padding, so less wasted compute."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+    completions = [None] * len(prompts)
+    for s in tqdm(range(0, len(order), batch_size),
+                  desc=f"eval ({len(prompts)} prompts{'' if greedy else f' × {num_samples}'})",
+                  unit="batch", leave=False, disable=task.cfg.quiet):
+        batch = order[s:s + batch_size]
+        _, _, response_ids, response_len = models.generate(
+            model, tokenizer, [prompts[i].ids for i in batch], num_samples=num_samples,
+            max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
+        texts = models.decode(tokenizer, response_ids, response_len)       # batch × num_samples
+        for n, i in enumerate(batch):
+            completions[i] = texts[n * num_samples:(n + 1) * num_samples]
+    return completions
+
+
 def evaluate_answers(task, model, tokenizer, prompts, max_new_tokens, batch_size, out_dir=None,
-                     step=None, n_samples=4):
+                     step=None, n_shown=4, sampled=0, temperature=1.0):
     """Greedy pass@1: the share of `prompts` whose greedy completion has the right answer.
 
     Greedy decoding makes the number reproducible and independent of the sampling temperature.
-    Prompts are generated in batches of similar length (less padding, so less wasted compute).
-    With `out_dir`, the completions of the first `n_samples` prompts go to
+    With `sampled` > 0, also the mean reward of that many completions per prompt sampled at
+    `temperature`: the expected reward of the policy as trained, which RL moves first (it
+    sharpens the sampling distribution before it changes the greedy answers).
+    With `out_dir`, the greedy completions of the first `n_shown` prompts go to
     <out_dir>/samples.jsonl, one JSON object a line: the same questions at every evaluation, so
     a run can be read (how do the answers change?) and not only plotted.
     """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
-    completions = [None] * len(prompts)
-    for s in range(0, len(order), batch_size):
-        batch = order[s:s + batch_size]
-        _, _, response_ids, response_len = models.generate(
-            model, tokenizer, [prompts[i].ids for i in batch], max_new_tokens=max_new_tokens,
-            greedy=True)
-        for i, text in zip(batch, models.decode(tokenizer, response_ids, response_len)):
-            completions[i] = text
+    completions = [c[0] for c in complete(task, model, tokenizer, prompts, max_new_tokens,
+                                          batch_size)]
     rewards = task.reward(prompts, completions)
     if out_dir:
         with open(Path(out_dir) / "samples.jsonl", "a") as f:
-            for p, c, r in list(zip(prompts, completions, rewards))[:n_samples]:
+            for p, c, r in list(zip(prompts, completions, rewards))[:n_shown]:
                 f.write(json.dumps({"step": step, "index": p.index, "prompt": p.text,
                                     "completion": c, "answer": extract_answer(c),
                                     "gold": p.answer, "reward": r}) + "\n")
-    return {"eval/accuracy": sum(rewards) / max(len(rewards), 1), "eval/n": len(rewards)}
+    metrics = {"eval/accuracy": sum(rewards) / max(len(rewards), 1), "eval/n": len(rewards)}
+    if sampled:
+        samples = complete(task, model, tokenizer, prompts, max_new_tokens,
+                           max(1, batch_size // sampled), sampled, temperature, greedy=False)
+        repeated = [p for p in prompts for _ in range(sampled)]
+        rewards = task.reward(repeated, [c for per_prompt in samples for c in per_prompt])
+        metrics["eval/sampled_accuracy"] = sum(rewards) / max(len(rewards), 1)
+    return metrics
 
 
 # SmolLM2-135M ignores "end with '#### <number>'" but follows this, and often ends with it anyway.
@@ -109,6 +135,7 @@ class AnswerTask(Task):
 
     Subclasses implement `examples(split)` -> list of (question, gold answer string).
     """
+    instruction = CHAT_INSTRUCTION          # appended to the question in chat-style prompts
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -133,7 +160,7 @@ class AnswerTask(Task):
     def format(self, question, tokenizer, style):
         if style == "plain":
             return PLAIN_TEMPLATE.format(question=question)
-        messages = [{"role": "user", "content": f"{question}\n\n{CHAT_INSTRUCTION}"}]
+        messages = [{"role": "user", "content": f"{question}\n\n{self.instruction}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def prompts(self, split, tokenizer):
@@ -162,8 +189,10 @@ class AnswerTask(Task):
                 for p, c in zip(prompts, completions)]
 
     def evaluate(self, model, tokenizer, ref_model, step=None):
-        """Greedy pass@1 on the first --eval-n test prompts (0: all)."""
+        """Greedy pass@1 on the first --eval-n test prompts (0: all), and the sampled accuracy
+        with --eval-samples."""
         test = self.prompts("test", tokenizer)
         test = test[:self.cfg.eval_n] if self.cfg.eval_n else test
         return evaluate_answers(self, model, tokenizer, test, self.cfg.max_new_tokens,
-                                self.cfg.eval_batch_size, out_dir=self.cfg.out or None, step=step)
+                                self.cfg.eval_batch_size, out_dir=self.cfg.out or None, step=step,
+                                sampled=self.cfg.eval_samples, temperature=self.cfg.temperature)

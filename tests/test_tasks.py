@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import models
 import tba
+import tasks
 from tasks import Prompt
 from tasks.answers import AnswerTask, answers_match, extract_answer
 from tasks.arith import ArithTask, make_splits
@@ -30,7 +31,7 @@ def task_config(**overrides):
     """The fields the math tasks read, as `tba.resolve` would fill them."""
     cfg = dict(data_dir=str(DATA), prompt_style="auto", max_prompt_len=512, eval_n=4,
                eval_batch_size=4, max_new_tokens=16, out="", arith_digits=2, arith_steps=2,
-               arith_ops="+-")
+               arith_ops="+-", quiet=True, eval_samples=0, temperature=1.0)
     return SimpleNamespace(**{**cfg, **overrides})
 
 
@@ -73,6 +74,7 @@ def test_extract_answer(text, answer):
 @pytest.mark.parametrize("pred, gold, match", [
     ("10", "10", True), ("10.0", "10", True), ("$10.00", "10", True), ("1,000", "1000", True),
     ("-0", "0", True), ("10.5", "10.50", True), ("11", "10", False), (None, "10", False),
+    ("inf", "inf", True), ("nan", "1", False),           # not numbers: compared as text
 ])
 def test_answers_match(pred, gold, match):
     assert answers_match(pred, gold) == match
@@ -179,7 +181,7 @@ def test_two_training_steps(task, mode, tiny_model_dir, tmp_path):
     args = ["--task", task, "--model", str(tiny_model_dir), "--data-dir", str(DATA),
             "--steps", "2", "--max-new-tokens", "8", "--eval-n", "4", "--prompts-per-step", "2",
             "--group-size", "2", "--min-buffer", "2", "--out", str(tmp_path / "run"),
-            "--searchers", "0" if mode == "sync" else "1", "--device", "cpu"]
+            "--searchers", "0" if mode == "sync" else "1", "--device", "cpu", "--eval-samples", "2"]
     if mode == "sync":
         assert tba.main(args) == 0
     else:
@@ -190,7 +192,17 @@ def test_two_training_steps(task, mode, tiny_model_dir, tmp_path):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/n"] == 4 for r in evals)
+    assert all(0.0 <= r["eval/sampled_accuracy"] <= 1.0 for r in evals)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     samples = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 2}
     assert set(samples[0]) >= {"prompt", "completion", "answer", "gold", "reward"}
+
+
+def test_tasks_by_name_or_module_path():
+    from tasks.toy import ToyTask
+    assert tasks.task_class("toy") is tasks.task_class("tasks.toy:ToyTask") is ToyTask
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
+        tasks.task_class("chess")
+    with pytest.raises(ValueError, match="cannot load task 'tasks.toy:Chess'"):
+        tasks.task_class("tasks.toy:Chess")
