@@ -22,15 +22,18 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 
 
-def timed(fn, repeats):
-    """Median seconds and the tokens generated (the same every repeat: same seed)."""
-    seconds = []
+def timed(fns, repeats):
+    """Median seconds and tokens generated of each function, run in turn (A, B, A, B, ...) so
+    that a load on the machine that comes and goes weighs on both alike. Same seed every run."""
+    seconds = [[] for _ in fns]
+    tokens = [0 for _ in fns]
     for _ in range(repeats):
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        tokens = fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), tokens
+        for i, fn in enumerate(fns):
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            tokens[i] = fn()
+            seconds[i].append(time.perf_counter() - start)
+    return [(statistics.median(s), t) for s, t in zip(seconds, tokens)]
 
 
 def main():
@@ -69,8 +72,7 @@ def main():
         return int(torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1,
                                response.shape[1]).sum())
 
-    bare_s, bare_tokens = timed(bare, args.repeats)
-    ours_s, ours_tokens = timed(ours, args.repeats)
+    (bare_s, bare_tokens), (ours_s, ours_tokens) = timed([bare, ours], args.repeats)
     figures = {"bare_generate_tokens_per_s": bare_tokens / bare_s,
                "searcher_generate_tokens_per_s": ours_tokens / ours_s}
     figures["searcher_over_bare"] = (figures["searcher_generate_tokens_per_s"]
