@@ -81,7 +81,10 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
         # trainer, and a resumed run does not replay the samples of its first session.
         seed = cfg.seed + 1 + rank + cfg.searchers * max(version, 0)
         torch.manual_seed(seed)
-        shard = task.prompts("train", tokenizer)[rank::cfg.searchers]
+        train_prompts = task.prompts("train", tokenizer)
+        # Each searcher draws from its own shard; with fewer prompts than searchers, from all.
+        shard = (train_prompts[rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
+                 else train_prompts)
         batches = prompt_batches(shard, cfg.prompts_per_step, seed)
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
             version = weights.receive(policy, rank, version)

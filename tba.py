@@ -292,7 +292,7 @@ def wait_for_groups(buffer, pool, n_groups, min_version, progress=None):
     """Block until the buffer holds n_groups recent enough to train on. -> seconds waited"""
     start = time.time()
     while (have := buffer.count(min_version)) < n_groups:
-        if progress is not None:
+        if progress is not None and have > progress.n:
             progress.update(have - progress.n)
         check_stop()
         pool.poll()
