@@ -71,11 +71,15 @@ def measure(searchers, steps, out):
     cfg = tba.resolve(tba.parse_args(argv)[0])
     tba.train(cfg)
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    rows = [r for r in rows if "loss" in r]
-    first, last = rows[len(rows) // 5], rows[-1]              # skip the warm-up
-    seconds = last["time"] - first["time"]
-    trainer_rate = (last["step"] - first["step"]) / seconds
-    data_rate = (last["gen_groups"] - first["gen_groups"]) / seconds / cfg.prompts_per_step
+    rows = [r for r in rows if "loss" in r][len(rows) // 5:]  # skip the warm-up
+    first, last = rows[0], rows[-1]
+    trainer_rate = (last["step"] - first["step"]) / (last["time"] - first["time"])
+    # Batches arrive a few per window: count them between the first and the last step that saw
+    # a new one, not over the whole window, or one batch more or less moves the rate by 1/count.
+    arrivals = [b for a, b in zip(rows, rows[1:]) if b["gen_groups"] > a["gen_groups"]]
+    first, last = arrivals[0], arrivals[-1]
+    data_rate = ((last["gen_groups"] - first["gen_groups"]) / (last["time"] - first["time"])
+                 / cfg.prompts_per_step)
     return trainer_rate, data_rate
 
 
@@ -86,7 +90,7 @@ def main():
     parser.add_argument("--train-seconds", type=float, default=1.0,
                         help="simulated time of one trainer step")
     parser.add_argument("--searchers", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--seconds", type=float, default=40.0, help="length of each measured run")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of each measured run")
     args = parser.parse_args()
     os.environ["TBA_SIM_GEN_SECONDS"] = str(args.gen_seconds)
     os.environ["TBA_SIM_TRAIN_SECONDS"] = str(args.train_seconds)
