@@ -1,4 +1,5 @@
-# Two commands for a new machine:  `make run`  (install + the default job)  and  `make test`.
+# Two commands for a new machine:  `make run`  (install + the default job)  and  `make test`;
+# `make notebooks` runs the tutorials and assignments (also part of `make test`).
 PYTHON ?= python
 
 install:
@@ -12,4 +13,7 @@ run: install
 test: install
 	$(PYTHON) -m pytest -q
 
-.PHONY: install run test
+notebooks: install     # run every notebook in notebooks/ top to bottom, and the graders
+	$(PYTHON) -m pytest -q tests/test_notebooks.py
+
+.PHONY: install run test notebooks

@@ -50,6 +50,15 @@ def pick(weights, generator=None) -> int:
     return int(torch.searchsorted(cdf, u, right=True).clamp(max=len(cdf) - 1))
 
 
+def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
+    """Softmax numerators exp(reward / priority_temp) of the available groups, 0 for the others.
+    Shifted so that the best available group weighs exactly 1: nothing overflows, and however
+    small priority_temp is, the weights of what is left never all underflow to 0.
+    group_reward: [n] float64 mean reward of each group; available: [n] bool.      -> [n]"""
+    logits = group_reward / priority_temp                                      # [n]
+    return torch.where(available, (logits - logits[available].max()).exp(), 0.0)
+
+
 class ReplayBuffer:
     _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
                "ref_logp", "version", "prompt_index", "order")
@@ -152,9 +161,9 @@ class ReplayBuffer:
                 raise ValueError(f"cannot sample {n_groups} distinct groups from a buffer "
                                  f"holding {int(available.sum())} of version >= {min_version}")
             is_recent = self.version[:n] == self.version[:n].max()             # [n]
-            if priority_temp is not None:  # softmax numerators, shifted for stability
-                logits = self.reward[:n].double().mean(1) / priority_temp     # [n]
-                priority = (logits - logits[available].max()).exp()           # [n]
+            if priority_temp is not None:
+                group_reward = self.reward[:n].double().mean(1)                # [n]
+                priority = priority_weights(group_reward, available, priority_temp)  # [n]
             chosen, recent_count = [], 0
             for _ in range(n_groups):
                 pool = available & is_recent
@@ -162,11 +171,11 @@ class ReplayBuffer:
                     weights, recent_count = pool.double(), recent_count + 1
                 elif priority_temp is None:
                     weights = available.double()
-                else:  # taking groups out only renormalises the rest...
+                else:  # taking groups out only renormalises the rest (Plackett-Luce)...
                     weights = torch.where(available, priority, 0.0)
                     if weights.sum() == 0:  # ...unless all that is left underflowed: re-shift
-                        priority = (logits - logits[available].max()).exp()
-                        weights = torch.where(available, priority, 0.0)
+                        priority = weights = priority_weights(group_reward, available,
+                                                              priority_temp)
                 i = pick(weights, generator)
                 available[i] = False
                 chosen.append(i)

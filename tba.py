@@ -427,8 +427,8 @@ def train(cfg):
                             stale=f"{row['staleness_mean']:.1f}",
                             samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
             bar.update()
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(step)
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                save_checkpoint(step)                 # the last step's is written below
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics = evaluate(task, policy, tokenizer, ref_model, step, start, log)
         save_checkpoint(cfg.steps)

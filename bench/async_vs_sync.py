@@ -8,9 +8,11 @@ For each task, three real runs of tba.py:
   parts     --searchers 0 on one core: the time to generate one batch and to take one step,
             each alone, as the async processes see them.
 Wall time is the training loop's (first training row back to the step-0 evaluation), so model
-loading and evaluation are left out. With replay the async trainer never waits once the buffer
-holds its first groups, so its ideal wall time is that warm-up plus steps × one step alone:
-ideal speed-up = sync wall / (warm-up + steps × train_s alone).
+loading and evaluation are left out. The async wall also holds its start-up: spawning the
+searcher process, which imports torch and loads its models, then the first batch. After that,
+with replay the trainer never waits, so each step should take what one step alone takes:
+steady-state speed-up = (sync wall / steps) / (async seconds per step after its first step),
+ideal = (sync wall / steps) / (one step alone).
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tba  # noqa: E402
@@ -38,8 +41,11 @@ def run(task, steps, searchers, out, cores=None, extra=()):
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     train_rows = [r for r in rows if "loss" in r]
     wall = train_rows[-1]["time"] - rows[0]["time"]
+    startup = train_rows[0]["time"] - rows[0]["time"]            # up to the end of step 1
+    per_step = (train_rows[-1]["time"] - train_rows[0]["time"]) / (len(train_rows) - 1)
     mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)
-    return wall, mean("search_s"), mean("train_s"), cfg
+    return SimpleNamespace(wall=wall, startup=startup, per_step=per_step,
+                           search_s=mean("search_s"), train_s=mean("train_s"), cfg=cfg)
 
 
 def main():
@@ -55,30 +61,28 @@ def main():
         for task in args.tasks:
             steps = args.toy_steps if task == "toy" else args.arith_steps
             extra = () if task == "toy" else ("--eval-n", str(args.arith_eval_n))
-            sync_wall, _, _, cfg = run(task, steps, 0, Path(tmp) / f"{task}-sync", extra=extra)
-            async_wall, _, _, _ = run(task, steps, 1, Path(tmp) / f"{task}-async", extra=extra)
-            part_steps = max(2, steps // 4)
-            _, search_alone, train_alone, _ = run(task, part_steps, 0, Path(tmp) / f"{task}-parts",
-                                                  cores=1, extra=extra)
-            warmup_batches = -(-max(cfg.min_buffer, cfg.prompts_per_step) // cfg.prompts_per_step)
-            ideal_async = warmup_batches * search_alone + steps * train_alone
-            samples = steps * cfg.prompts_per_step * cfg.group_size
-            table.append((task, steps, samples, sync_wall, async_wall, sync_wall / async_wall,
-                          sync_wall / ideal_async, search_alone, train_alone))
-    cores = os.cpu_count()
-    for task, _, _, sync_wall, async_wall, speedup, ideal, _, _ in table:
-        print(f"{task}_sync_wall {sync_wall:.1f} s")
-        print(f"{task}_async_wall {async_wall:.1f} s")
-        print(f"{task}_speedup {speedup:.2f} x")
-        print(f"{task}_ideal_speedup {ideal:.2f} x")
-    print(f"\n| task ({cores} cores) | steps | samples | sync wall | async wall | speed-up | ideal "
-          "| of ideal | generate one batch alone | one step alone |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for task, steps, samples, sync_wall, async_wall, speedup, ideal, search, train in table:
-        print(f"| {task} | {steps} | {samples} | {sync_wall:.1f} s | {async_wall:.1f} s "
-              f"| {speedup:.2f}x | {ideal:.2f}x | {speedup / ideal:.2f} | {search:.2f} s "
-              f"| {train:.2f} s |")
-
+            sync = run(task, steps, 0, Path(tmp) / f"{task}-sync", extra=extra)
+            async_ = run(task, steps, 1, Path(tmp) / f"{task}-async", extra=extra)
+            alone = run(task, max(2, steps // 4), 0, Path(tmp) / f"{task}-parts", cores=1,
+                        extra=extra)
+            sync_per_step = sync.wall / steps
+            table.append(dict(
+                task=task, steps=steps, sync_wall=sync.wall, async_wall=async_.wall,
+                startup=async_.startup, speedup=sync.wall / async_.wall,
+                steady=sync_per_step / async_.per_step, ideal=sync_per_step / alone.train_s,
+                search_alone=alone.search_s, train_alone=alone.train_s))
+    for r in table:
+        for key, unit in [("sync_wall", "s"), ("async_wall", "s"), ("startup", "s"),
+                          ("speedup", "x"), ("steady", "x"), ("ideal", "x")]:
+            print(f"{r['task']}_{key} {r[key]:.2f} {unit}")
+    print(f"\n| task ({os.cpu_count()} cores) | steps | sync wall | async wall (start-up) | speed-up "
+          "| steady-state speed-up | ideal | of ideal | generate one batch alone | one step alone |"
+          "\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        print(f"| {r['task']} | {r['steps']} | {r['sync_wall']:.1f} s | {r['async_wall']:.1f} s "
+              f"({r['startup']:.1f} s) | {r['speedup']:.2f}x | {r['steady']:.2f}x "
+              f"| {r['ideal']:.2f}x | {r['steady'] / r['ideal']:.2f} | {r['search_alone']:.2f} s "
+              f"| {r['train_alone']:.2f} s |")
 
 if __name__ == "__main__":
     main()

@@ -43,8 +43,10 @@ def build_model(vocab_size):
     """A two-layer GPT-2 with random weights. Absolute position embeddings matter here: with
     only relative ones (RoPE) a model cannot tell the prefix "a" from "a a", whose attention
     averages the same vectors, so a mode like "a b c d" after the prompt "a" is unlearnable."""
+    # No pad_token_id here: `generate` gets the tokenizer's, and with one in the config
+    # transformers warns of padding whenever a sampled EOS (= pad) is fed back.
     config = GPT2Config(vocab_size=vocab_size, n_positions=16, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0,
                         initializer_range=0.005)   # small: p_ref near uniform, modes balanced
     with torch.random.fork_rng():

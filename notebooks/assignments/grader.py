@@ -1,0 +1,239 @@
+"""Graders for the three assignments: the project's own tests, run against a student's function.
+
+    from grader import grade_tb_loss, grade_priority, grade_extractor
+    grade_tb_loss(my_tb_loss)        # prints one line per check and the score -> (passed, total)
+
+Each grader loads the project's test module (tests/test_trainer.py, tests/test_buffer.py,
+tests/test_tasks.py), puts the student's function where the project's own one would be, runs
+the tests that concern it, and adds a few checks of its own. A check passes when it returns;
+any exception (a failed assert, NotImplementedError, a wrong shape) fails it.
+
+The reference solutions are the project's code: `trainer.tb_loss`, `buffer.priority_weights` and
+`tasks.answers.extract_answer`. Each scores full marks; tests/test_notebooks.py checks that, and
+that a stub scores less.
+"""
+import contextlib
+import functools
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import trainer  # noqa: E402
+import buffer  # noqa: E402
+
+
+@functools.cache
+def project_tests(name):
+    """tests/<name>.py, imported as a module (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"project_tests.{name}",
+                                                  REPO / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def swapped(namespace, name, value):
+    """`namespace[name]` (a module attribute or a dict entry) is `value` inside the block."""
+    is_dict = isinstance(namespace, dict)
+    old = namespace[name] if is_dict else getattr(namespace, name)
+    if is_dict:
+        namespace[name] = value
+    else:
+        setattr(namespace, name, value)
+    try:
+        yield
+    finally:
+        if is_dict:
+            namespace[name] = old
+        else:
+            setattr(namespace, name, old)
+
+
+def where(error, own_checks):
+    """The line of the project's test (or, with `own_checks`, of this file) that failed: it
+    shows the student what was asked."""
+    places = [str(REPO / "tests")] + ([__file__] if own_checks else [])
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if any(f.filename.startswith(place) for place in places)]
+    return f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
+
+
+def run_checks(title, checks):
+    """checks: [(name, function of no arguments that raises on failure)]. -> (passed, total)"""
+    passed = 0
+    print(title)
+    for name, check in checks:
+        try:
+            check()
+        except NotImplementedError:
+            print(f"  FAIL  {name}: not implemented yet")
+        except Exception as e:          # a wrong answer, a wrong shape, a crash: all fail the check
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"  FAIL  {name}: {type(e).__name__}{where(e, own_checks=not message)}"
+                  + (f": {message[:200]}" if message else ""))
+        else:
+            passed += 1
+            print(f"  pass  {name}")
+    print(f"score: {passed}/{len(checks)}")
+    return passed, len(checks)
+
+
+# --- (a) the trajectory-balance loss -------------------------------------------------------------
+
+def grade_tb_loss(fn):
+    """fn(logp, ref_logp, reward, beta) -> (loss, log_z), with the semantics of trainer.tb_loss."""
+    tests = project_tests("test_trainer")
+    from tasks.toy import build_model, build_tokenizer
+    tokenizer = build_tokenizer()
+    toy = (build_model(len(tokenizer)), tokenizer)      # the tests' `toy` fixture
+
+    def project_test(test, *args):
+        def check():
+            # the student's function replaces the project's in the test module and in the
+            # trainer's table of losses (which `train_step` reads)
+            with swapped(tests, "tb_loss", fn), swapped(trainer.LOSSES, "tb", fn):
+                test(*args)
+        return check
+
+    def random_groups(requires_grad=False):
+        gen = torch.Generator().manual_seed(5)
+        logp = (-5 * torch.rand(3, 6, generator=gen)).requires_grad_(requires_grad)    # [B, K]
+        return logp, -5 * torch.rand(3, 6, generator=gen), torch.rand(3, 6, generator=gen), 0.3
+
+    def matches_reference():
+        loss, log_z = fn(*random_groups())
+        ref_loss, ref_log_z = trainer.tb_loss(*random_groups())
+        assert tuple(log_z.shape) == (3,), f"log_z should be [B] = [3], got {tuple(log_z.shape)}"
+        assert loss.dim() == 0, f"loss should be a scalar, got shape {tuple(loss.shape)}"
+        torch.testing.assert_close(log_z, ref_log_z)
+        torch.testing.assert_close(loss, ref_loss)
+
+    def log_z_is_detached():
+        logp, ref_logp, reward, beta = random_groups(requires_grad=True)
+        loss, log_z = fn(logp, ref_logp, reward, beta)
+        assert loss.requires_grad, "the loss must carry the gradient to log p_θ"
+        assert not log_z.requires_grad, "log Ẑ is an estimate, not a parameter: detach it"
+
+    def gradient_matches_reference():
+        logp, ref_logp, reward, beta = random_groups(requires_grad=True)
+        grad, = torch.autograd.grad(fn(logp, ref_logp, reward, beta)[0], logp)
+        logp, ref_logp, reward, beta = random_groups(requires_grad=True)
+        ref_grad, = torch.autograd.grad(trainer.tb_loss(logp, ref_logp, reward, beta)[0], logp)
+        torch.testing.assert_close(grad, ref_grad)
+
+    return run_checks("tb_loss", [
+        ("test_tb_loss_by_hand", project_test(tests.test_tb_loss_by_hand)),
+        ("test_tb_loss_log_z_per_prompt", project_test(tests.test_tb_loss_log_z_per_prompt)),
+        ("test_tb_gradient_equals_reinforce_on_policy",
+         project_test(tests.test_tb_gradient_equals_reinforce_on_policy, toy)),
+        ("test_micro_batches_give_the_same_step",
+         project_test(tests.test_micro_batches_give_the_same_step, toy)),
+        ("loss and log Ẑ match the reference on random groups", matches_reference),
+        ("log Ẑ carries no gradient", log_z_is_detached),
+        ("gradient w.r.t. log p matches the reference", gradient_matches_reference),
+    ])
+
+
+# --- (b) reward-prioritised sampling from the replay buffer ---------------------------------------
+
+def grade_priority(fn):
+    """fn(group_reward [n] float64, available [n] bool, priority_temp) -> [n] weights: exp(r/τ)
+    up to one common factor on the available groups, 0 on the others, and no overflow or
+    all-zero underflow. In the checks marked so, the project's ReplayBuffer.sample draws with it."""
+    tests = project_tests("test_buffer")
+
+    def in_the_buffer(check):
+        """`check`, run while the project's buffer draws with `fn`."""
+        def swapped_check():
+            with swapped(buffer, "priority_weights", fn):     # what ReplayBuffer.sample calls
+                check()
+        return swapped_check
+
+    def shape_and_mask():
+        reward = torch.tensor([0.1, 0.9, 0.5, 0.3], dtype=torch.float64)
+        available = torch.tensor([True, False, True, True])
+        weights = fn(reward.clone(), available.clone(), 0.5)
+        assert tuple(weights.shape) == (4,), f"weights should be [n] = [4], got {tuple(weights.shape)}"
+        assert weights[1] == 0, "a group already drawn (available=False) must weigh 0"
+        assert torch.all(weights[available] > 0), "every available group needs a weight > 0"
+
+    def proportional_to_exp_reward():
+        gen = torch.Generator().manual_seed(2)
+        for temp in (0.05, 0.3, 2.0):
+            reward = torch.rand(7, generator=gen, dtype=torch.float64)
+            available = torch.rand(7, generator=gen) < 0.7
+            available[0] = True
+            weights = fn(reward, available, temp)
+            exact = torch.softmax(reward[available] / temp, 0)
+            torch.testing.assert_close(weights[available] / weights[available].sum(), exact)
+
+    def stable_at_tiny_temperature():
+        reward = torch.tensor([5000.0, 4000.0, 3000.0], dtype=torch.float64)
+        for available in ([True, True, True], [False, True, True], [False, False, True]):
+            weights = fn(reward, torch.tensor(available), 1e-3)
+            assert torch.isfinite(weights).all(), f"overflow: {weights.tolist()} (shift the logits)"
+            assert weights.sum() > 0, (f"all weights underflowed to 0 with available={available}: "
+                                       "shift by the largest *available* logit")
+
+    def leaves_its_inputs_alone():
+        reward = torch.tensor([0.2, 0.4], dtype=torch.float64)
+        available = torch.tensor([True, True])
+        fn(reward, available, 0.1)
+        assert reward.tolist() == [0.2, 0.4] and available.tolist() == [True, True], \
+            "do not change the buffer's tensors in place"
+
+    def plackett_luce_pairs():
+        """Two draws from three groups: P(i then j) = p_i · p_j / (1 − p_i)."""
+        rewards, temp, draws = [0.0, 0.5, 1.0], 0.5, 4000
+        buf = tests.filled(3, rewards=rewards)
+        p = torch.softmax(torch.tensor(rewards, dtype=torch.float64) / temp, 0)      # [3]
+        gen = torch.Generator().manual_seed(4)
+        counts = torch.zeros(3, 3, dtype=torch.float64)
+        for _ in range(draws):
+            i, j = buf.sample(2, recent_frac=0.0, priority_temp=temp, generator=gen).order.tolist()
+            counts[i, j] += 1
+        exact = p[:, None] * p[None, :] / (1 - p[:, None])                           # [3, 3]
+        exact.fill_diagonal_(0.0)
+        freq = counts / draws
+        tolerance = 4 * (exact * (1 - exact) / draws).sqrt() + 1e-9
+        assert torch.all((freq - exact).abs() <= tolerance), f"pair frequencies {freq} vs {exact}"
+
+    return run_checks("priority_weights", [
+        ("test_reward_prioritised_sampling", in_the_buffer(tests.test_reward_prioritised_sampling)),
+        ("test_priority_numerically_stable", in_the_buffer(tests.test_priority_numerically_stable)),
+        ("test_generator_reproducible", in_the_buffer(tests.test_generator_reproducible)),
+        ("shape [n]; drawn groups weigh 0", shape_and_mask),
+        ("weights ∝ exp(reward / τ) over the available groups", proportional_to_exp_reward),
+        ("no overflow, no all-zero underflow at τ = 0.001", stable_at_tiny_temperature),
+        ("inputs not changed in place", leaves_its_inputs_alone),
+        ("two draws in the buffer: renormalised after the first", in_the_buffer(plackett_luce_pairs)),
+    ])
+
+
+# --- (c) the GSM8K answer extractor ---------------------------------------------------------------
+
+def extract_answer_cases():
+    """The (text, answer) table of tests/test_tasks.py::test_extract_answer."""
+    test = project_tests("test_tasks").test_extract_answer
+    mark = next(m for m in test.pytestmark if m.name == "parametrize")
+    return mark.args[1]
+
+
+def grade_extractor(fn):
+    """fn(text) -> the final answer as a normalised number string, or None."""
+    def case(text, answer):
+        def check():
+            got = fn(text)
+            assert got == answer, f"expected {answer!r}, got {got!r}"
+        return check
+
+    return run_checks("extract_answer", [(f"{text!r} -> {answer!r}", case(text, answer))
+                                         for text, answer in extract_answer_cases()])

