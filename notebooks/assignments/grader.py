@@ -25,8 +25,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-import trainer  # noqa: E402
 import buffer  # noqa: E402
+import trainer  # noqa: E402
 
 
 @functools.cache
@@ -147,7 +147,7 @@ def grade_tb_loss(fn):
 def grade_priority(fn):
     """fn(group_reward [n] float64, available [n] bool, priority_temp) -> [n] weights: exp(r/τ)
     up to one common factor on the available groups, 0 on the others, and no overflow or
-    all-zero underflow. In the checks marked so, the project's ReplayBuffer.sample draws with it."""
+    all-zero underflow. In four of the checks the project's ReplayBuffer.sample draws with it."""
     tests = project_tests("test_buffer")
 
     def in_the_buffer(check):
