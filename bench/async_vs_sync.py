@@ -84,5 +84,6 @@ def main():
               f"| {r['ideal']:.2f}x | {r['steady'] / r['ideal']:.2f} | {r['search_alone']:.2f} s "
               f"| {r['train_alone']:.2f} s |")
 
+
 if __name__ == "__main__":
     main()

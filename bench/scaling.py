@@ -71,7 +71,8 @@ def measure(searchers, steps, out):
     cfg = tba.resolve(tba.parse_args(argv)[0])
     tba.train(cfg)
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    rows = [r for r in rows if "loss" in r][len(rows) // 5:]  # skip the warm-up
+    rows = [r for r in rows if "loss" in r]
+    rows = rows[len(rows) // 5:]                              # skip the warm-up
     first, last = rows[0], rows[-1]
     trainer_rate = (last["step"] - first["step"]) / (last["time"] - first["time"])
     # Batches arrive a few per window: count them between the first and the last step that saw
