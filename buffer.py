@@ -172,12 +172,13 @@ class ReplayBuffer:
                 elif priority_temp is None:
                     weights = available.double()
                 else:  # taking groups out only renormalises the rest (Plackett-Luce)...
-                    weights = torch.where(available, priority, 0.0)
-                    if weights.sum() == 0:  # ...unless all that is left underflowed: re-shift
-                        priority = weights = priority_weights(group_reward, available,
-                                                              priority_temp)
+                    if priority.sum() == 0:  # ...unless all that is left underflowed: re-shift
+                        priority = priority_weights(group_reward, available, priority_temp)
+                    weights = priority
                 i = pick(weights, generator)
                 available[i] = False
+                if priority_temp is not None:
+                    priority[i] = 0.0                                          # drawn: out
                 chosen.append(i)
             idx = torch.tensor(chosen)                                         # [B]
             p_len, r_len = self.prompt_len[idx], self.response_len[idx]        # [B], [B, K]

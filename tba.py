@@ -377,6 +377,7 @@ def train(cfg):
                       unit="group", disable=cfg.quiet, leave=False) as fill:
                 wait_for_groups(buffer, pool, fill.total, -1, progress=fill)
         last = time.time()
+        tokens_before, groups_before = tokens, groups    # a resumed run's earlier sessions
         for step in range(start_step + 1, cfg.steps + 1):
             check_stop()
             version = step - 1                   # updates the policy has had before this step
@@ -406,8 +407,8 @@ def train(cfg):
                 sync_s = time.time() - t0
             if pool:
                 pool.poll()
-                tokens = (resumed["tokens"] if resumed else 0) + pool.tokens
-                groups = (resumed["groups"] if resumed else 0) + pool.groups
+                tokens = tokens_before + pool.tokens
+                groups = groups_before + pool.groups
             samples += batch.reward.numel()
             now = time.time()
             staleness = (version - batch.version).float()

@@ -15,7 +15,6 @@ steady-state speed-up = (sync wall / steps) / (async seconds per step after its 
 ideal = (sync wall / steps) / (one step alone).
 """
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plot  # noqa: E402
 import tba  # noqa: E402
 
 
@@ -38,10 +38,9 @@ def run(task, steps, searchers, out, cores=None, extra=()):
         tba.train(cfg)
     finally:
         os.cpu_count = real_cpu_count
-    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    train_rows = [r for r in rows if "loss" in r]
-    wall = train_rows[-1]["time"] - rows[0]["time"]
-    startup = train_rows[0]["time"] - rows[0]["time"]            # up to the end of step 1
+    train_rows, eval_rows = plot.read_metrics(out)
+    wall = train_rows[-1]["time"] - eval_rows[0]["time"]
+    startup = train_rows[0]["time"] - eval_rows[0]["time"]       # up to the end of step 1
     per_step = (train_rows[-1]["time"] - train_rows[0]["time"]) / (len(train_rows) - 1)
     mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)
     return SimpleNamespace(wall=wall, startup=startup, per_step=per_step,

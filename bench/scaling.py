@@ -16,7 +16,6 @@ data rate (groups generated per second / B): the rate at which new samples are t
 Goal: >= 0.95 of the ideal at every N, i.e. nothing in the machinery serialises the work.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plot  # noqa: E402
 import tba  # noqa: E402
 from tasks.toy import ToyTask  # noqa: E402
 
@@ -70,14 +70,17 @@ def measure(searchers, steps, out):
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
     cfg = tba.resolve(tba.parse_args(argv)[0])
     tba.train(cfg)
-    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    rows = [r for r in rows if "loss" in r]
+    rows, _ = plot.read_metrics(out)                          # the training rows
     rows = rows[len(rows) // 5:]                              # skip the warm-up
     first, last = rows[0], rows[-1]
     trainer_rate = (last["step"] - first["step"]) / (last["time"] - first["time"])
     # Batches arrive a few per window: count them between the first and the last step that saw
     # a new one, not over the whole window, or one batch more or less moves the rate by 1/count.
     arrivals = [b for a, b in zip(rows, rows[1:]) if b["gen_groups"] > a["gen_groups"]]
+    if len(arrivals) < 2:
+        print(f"error: batches that arrived in the measured window: {len(arrivals)}, too few "
+              "to measure a rate; give a longer --seconds", file=sys.stderr)
+        sys.exit(2)
     first, last = arrivals[0], arrivals[-1]
     data_rate = ((last["gen_groups"] - first["gen_groups"]) / (last["time"] - first["time"])
                  / cfg.prompts_per_step)
