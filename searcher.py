@@ -11,8 +11,10 @@ import os
 import queue
 import random
 import signal
+import threading
 import time
 import traceback
+from multiprocessing.connection import wait as wait_for_any
 
 import torch
 import torch.multiprocessing as mp
@@ -125,6 +127,23 @@ class SearcherPool:
             p.start()
         self.tokens = self.groups = 0
         self.reward_sum = 0.0
+        self.closing = threading.Event()
+        self.trainer_thread = threading.get_ident()
+        self.previous_handler = signal.signal(signal.SIGUSR1, self._searcher_died)
+        threading.Thread(target=self._watch, name="searcher-watch", daemon=True).start()
+
+    def _watch(self, grace=5.0):
+        """A searcher killed while it holds the buffer's or the weights' lock leaves that lock
+        held for ever, and the trainer, waiting on it, would never reach `poll`. So when a
+        searcher exits and the trainer has not closed the pool within `grace` seconds, this
+        thread interrupts the trainer's wait with SIGUSR1."""
+        wait_for_any([p.sentinel for p in self.processes])
+        if not self.closing.wait(grace):
+            signal.pthread_kill(self.trainer_thread, signal.SIGUSR1)
+
+    def _searcher_died(self, signum, frame):
+        self.poll()                           # raises SearcherError with the searcher's report
+        raise SearcherError("a searcher exited while the run was going on")
 
     def poll(self):
         """Take in the reports so far; raise SearcherError if a searcher failed or died."""
@@ -145,6 +164,8 @@ class SearcherPool:
 
     def close(self, timeout=10.0):
         """Ask every searcher to stop, wait a little, then terminate whatever is left."""
+        self.closing.set()
+        signal.signal(signal.SIGUSR1, self.previous_handler)
         self.stop.set()
         deadline = time.time() + timeout
         for p in self.processes:

@@ -8,9 +8,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 import torch.multiprocessing as mp
 
+import searcher
+import tasks
+import tba
+from buffer import ReplayBuffer
 from tasks.toy import build_model, build_tokenizer
 from trainer import WeightChannel
 
@@ -107,6 +112,41 @@ def test_killed_searcher_stops_the_run(tmp_path):
     assert_all_exit(children)
     train_rows, _ = rows(metrics)                       # every line written is intact JSON
     assert len(train_rows) >= 5
+
+
+def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
+    """A searcher killed inside `buffer.add` leaves the buffer's lock held for ever. The trainer
+    blocked on that lock must still get the SearcherError, not hang. The held lock is made by
+    taking it here, so that the trainer's next `buffer.count` blocks as it would."""
+    cfg = tba.resolve(tba.parse_args(["--task", "toy", "--searchers", "1",
+                                      "--out", str(tmp_path)])[0])
+    task = tasks.make_task(cfg)
+    policy, tokenizer = task.load_model(torch.device("cpu"))
+    buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens,
+                          tokenizer.pad_token_id)
+    weights = WeightChannel(policy, 1, mp.get_context("spawn"))
+    weights.publish(policy, version=0)
+    pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
+
+    def hung(signum, frame):
+        raise TimeoutError("the trainer hung on the lock its dead searcher held")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        while len(buffer) == 0:                   # the searcher is up and writing
+            pool.poll()
+            time.sleep(0.05)
+        buffer._lock.acquire()
+        os.kill(pool.processes[0].pid, signal.SIGKILL)
+        start = time.time()
+        with pytest.raises(searcher.SearcherError, match="died"):
+            buffer.count()                        # blocks on the held lock until interrupted
+        assert time.time() - start < 30
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        pool.close()
+        weights.close()
 
 
 def test_stale_replayed_data_still_reaches_the_target(tmp_path):
