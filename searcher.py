@@ -7,10 +7,13 @@ watched by `SearcherPool`) call it in a loop in their own processes and write th
 replay buffer.
 """
 import copy
+import ctypes
+import multiprocessing
 import os
 import queue
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -49,16 +52,27 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event)
     completions = models.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
-    reward = torch.tensor(task.reward(repeated, completions), dtype=torch.float32)
+    reward, info = task.score(repeated, completions)
+    reward = torch.tensor(reward, dtype=torch.float32)
     batch = GroupBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
         response_len=response_len, reward=reward.view(len(prompts), group_size).to(prompt_ids.device),
         ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
         version=torch.full((len(prompts),), version, dtype=torch.long),
-        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long))
+        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long), info=info)
     batch.ref_logp = sequence_logprobs(ref_model, *group_inputs(batch),
                                        temperature).view(len(prompts), group_size)
     return batch, completions
+
+
+def die_with_parent():
+    """Have the kernel kill this process when the trainer dies (Linux). A searcher checks for its
+    parent between batches, but a trainer killed while it holds the buffer's or a weight slot's
+    lock leaves the searcher waiting on that lock, where no check runs: without this it would
+    wait there for ever, an orphan holding its memory."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1                                   # from <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
 def run(rank, cfg, device, threads, buffer, weights, reports, stop):
@@ -72,7 +86,8 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the trainer's to handle: it stops us
     transformers_logging.disable_progress_bar()     # the trainer's bars are the ones to watch
-    parent = os.getppid()
+    die_with_parent()
+    parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
         torch.set_num_threads(threads)
         task = tasks.make_task(cfg)
@@ -102,7 +117,7 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
                            batch.reward[i], batch.ref_logp[i], version, prompt.index)
             reports.put({"rank": rank, "tokens": int(batch.response_len.sum()),
                          "seconds": time.time() - start, "groups": len(prompts),
-                         "reward": batch.reward.mean().item()})
+                         "reward": batch.reward.mean().item(), "info": batch.info})
     except BaseException:
         reports.put({"rank": rank, "error": traceback.format_exc()})
         raise
@@ -127,6 +142,7 @@ class SearcherPool:
             p.start()
         self.tokens = self.groups = 0
         self.reward_sum = 0.0
+        self.infos = []              # the task's `score` infos not yet logged (see take_infos)
         self.closing = threading.Event()
         self.trainer_thread = threading.get_ident()
         self.previous_handler = signal.signal(signal.SIGUSR1, self._searcher_died)
@@ -157,10 +173,17 @@ class SearcherPool:
             self.tokens += report["tokens"]
             self.groups += report["groups"]
             self.reward_sum += report["reward"] * report["groups"]
+            if report["info"] is not None:
+                self.infos.append(report["info"])
         for rank, p in enumerate(self.processes):
             if not p.is_alive():
                 raise SearcherError(f"searcher {rank} (pid {p.pid}) died with exit code "
                                     f"{p.exitcode}")
+
+    def take_infos(self):
+        """The task's `score` infos of the batches reported since the last call."""
+        infos, self.infos = self.infos, []
+        return infos
 
     def close(self, timeout=10.0):
         """Ask every searcher to stop, wait a little, then terminate whatever is left."""

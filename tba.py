@@ -8,10 +8,13 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,12 +30,29 @@ import searcher
 import tasks
 import trainer
 from buffer import ReplayBuffer
+from tasks import scorers
 
 
-def flag(default, help):
-    return field(default=default, metadata={"help": help})
+def flag(default, help, valid=None):
+    """A Config field: its default, its --help text and, for numbers and choices, the rule its
+    value must follow (`valid`), checked by `check_ranges` before anything is loaded."""
+    return field(default=default, metadata={"help": help, "valid": valid})
 
 
+# Rules for `flag(valid=...)`: (test, how the valid values read in an error and in --help).
+def at_least(low):
+    return (lambda v: v >= low), f"at least {low}"
+
+
+def within(low, high):
+    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+
+
+def one_of(*choices):
+    return (lambda v: v in choices), "one of " + ", ".join(choices)
+
+
+POSITIVE = (lambda v: v > 0), "greater than 0"
 TASK_DEFAULT = "(default: the task's choice)"
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
 # runs. Everything else would make the resumed run a different experiment.
@@ -52,72 +72,114 @@ class Config:
                              "../shared/data/gsm8k when it exists, else the hub's openai/gsm8k)")
     prompt_style: str = flag("auto", "math tasks: chat (the tokenizer's chat template) or plain "
                                      "('[MATH TASK] Problem: ...'); auto: chat when the "
-                                     "tokenizer has a chat template")
+                                     "tokenizer has a chat template", one_of("auto", "chat", "plain"))
     max_prompt_len: int = flag(512, "math tasks: skip (and count) prompts longer than this, "
-                                    "in tokens")
-    eval_batch_size: int = flag(16, "math tasks: prompts per batch of greedy evaluation")
+                                    "in tokens", at_least(1))
+    eval_batch_size: int = flag(16, "math tasks: prompts per batch of greedy evaluation",
+                                at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
                                    "at --temperature and log their mean reward as "
-                                   f"eval/sampled_accuracy (0: greedy only) {TASK_DEFAULT}")
-    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}")
-    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}")
-    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}")
+                                   f"eval/sampled_accuracy (0: greedy only) {TASK_DEFAULT}",
+                             at_least(0))
+    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}",
+                             within(1, 9))
+    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}", within(1, 20))
+    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}",
+                          ((lambda v: v and set(v) <= set("+-*")), "made of + - *"))
+    victim_model: str = flag("", "redteam: the frozen chatbot that answers each attack: hub id, "
+                                 f"local HF folder or .gguf file (default: {models.DEFAULT_MODEL})")
+    victim_samples: int = flag(None, f"redteam: answers per attack {TASK_DEFAULT}", at_least(1))
+    victim_max_new_tokens: int = flag(None, f"redteam: longest answer, in tokens {TASK_DEFAULT}",
+                                      at_least(1))
+    toxicity_model: str = flag(scorers.DEFAULT_TOXICITY,
+                               "redteam: scores the answers: the packaged Jigsaw classifier "
+                               "(word-level: insults, profanity), or a hub id or local folder of "
+                               "a transformers sequence classifier, e.g. "
+                               "facebook/roberta-hate-speech-dynabench-r4-target")
     # how much
-    steps: int = flag(None, f"trainer steps {TASK_DEFAULT}")
-    prompts_per_step: int = flag(None, f"B, prompts (groups) per trainer step {TASK_DEFAULT}")
-    group_size: int = flag(None, f"K, completions sampled per prompt {TASK_DEFAULT}")
-    max_new_tokens: int = flag(None, f"longest completion, in tokens {TASK_DEFAULT}")
+    steps: int = flag(None, f"trainer steps {TASK_DEFAULT}", at_least(1))
+    prompts_per_step: int = flag(None, f"B, prompts (groups) per trainer step {TASK_DEFAULT}",
+                                 at_least(1))
+    group_size: int = flag(None, f"K, completions sampled per prompt; log Z is estimated from "
+                                 f"the spread within each group {TASK_DEFAULT}", at_least(2))
+    max_new_tokens: int = flag(None, f"longest completion, in tokens {TASK_DEFAULT}", at_least(1))
     temperature: float = flag(None, "sampling temperature, also used to score log-probs "
-                                    f"{TASK_DEFAULT}")
+                                    f"{TASK_DEFAULT}", POSITIVE)
     # the objective
-    loss: str = flag("tb", "tb (trajectory balance, valid off-policy) or rloo (on-policy baseline)")
-    beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}")
-    beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}")
-    beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}")
+    loss: str = flag("tb", "tb (trajectory balance, valid off-policy) or rloo (on-policy "
+                           "baseline: needs --searchers 0, or --rloo-off-policy)", one_of("tb", "rloo"))
+    rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
+                                        "groups, although it is an on-policy loss (biased there)")
+    beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
+    beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
+    beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
+                           at_least(0))
     # the optimiser
-    lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}")
-    warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}")
-    decay_steps: int = flag(None, f"final steps of linear decay to 0 (WSD) {TASK_DEFAULT}")
+    lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
+    warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
+                             at_least(0))
+    decay_steps: int = flag(None, "final steps of linear decay to 0 (WSD); the schedule is set by "
+                                  "the run's first --steps, so a resumed run that goes on past "
+                                  f"them continues at the decayed rate {TASK_DEFAULT}", at_least(0))
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
-                                   f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}")
-    max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)")
+                                   f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}",
+                             at_least(0))
+    max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)", at_least(0))
     # asynchrony
     searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
-                                "(default: GPUs - 1, at least 1)")
-    sync_every: int = flag(None, f"k: publish the trainer's weights every k steps {TASK_DEFAULT}")
+                                "(default: GPUs - 1, at least 1)", at_least(0))
+    sync_every: int = flag(None, f"k: publish the trainer's weights every k steps {TASK_DEFAULT}",
+                           at_least(1))
     recent_frac: float = flag(None, "m: each sampled group comes from the newest weights in the "
-                                    f"buffer with probability m, else from all of it {TASK_DEFAULT}")
+                                    f"buffer with probability m, else from all of it {TASK_DEFAULT}",
+                              within(0, 1))
     priority_temp: float = flag(0.0, "when > 0, draw the non-recent groups with probability "
-                                     "∝ exp(mean group reward / priority_temp); 0: uniformly")
-    min_buffer: int = flag(None, f"groups in the buffer before training starts {TASK_DEFAULT}")
+                                     "∝ exp(mean group reward / priority_temp); 0: uniformly",
+                                at_least(0))
+    min_buffer: int = flag(None, f"groups in the buffer before training starts {TASK_DEFAULT}",
+                           at_least(0))
     buffer_capacity: int = flag(None, f"groups the replay buffer holds; the oldest go first "
-                                      f"{TASK_DEFAULT}")
+                                      f"{TASK_DEFAULT}", at_least(1))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
-                                  "trainer, waiting for fresher ones if needed (-1: no bound)")
+                                  "trainer, waiting for fresher ones if needed (-1: no bound)",
+                              at_least(-1))
+    max_reuse: int = flag(None, "train on each group at most this many times, waiting for new "
+                                f"ones if needed (0: no bound) {TASK_DEFAULT}", at_least(0))
     # evaluation and output
     eval_every: int = flag(None, f"evaluate every this many steps (0: only at start and end) "
-                                 f"{TASK_DEFAULT}")
-    eval_n: int = flag(None, f"test prompts to evaluate on (0: all) {TASK_DEFAULT}")
+                                 f"{TASK_DEFAULT}", at_least(0))
+    eval_n: int = flag(None, f"test prompts to evaluate on (0: all) {TASK_DEFAULT}", at_least(0))
     out: str = flag("", "run folder (default: runs/<task>-<timestamp>)")
     save_every: int = flag(None, "write a checkpoint every this many steps; one is also written "
-                                 f"at the end and on Ctrl-C (0: only those) {TASK_DEFAULT}")
-    keep_checkpoints: int = flag(2, "how many of the newest checkpoints stay on disk (0: all)")
+                                 f"at the end and on Ctrl-C (0: only those) {TASK_DEFAULT}",
+                           at_least(0))
+    keep_checkpoints: int = flag(2, "how many of the newest checkpoints stay on disk (0: all)",
+                                 at_least(0))
     resume: str = flag("", "continue the run in this folder from its newest checkpoint with its "
                            "settings; only " + ", ".join("--" + f.replace("_", "-")
                                                         for f in RESUME_OVERRIDES)
                            + " may be given again, to change them")
     quiet: bool = flag(False, "no progress bars: log lines only")
-    seed: int = flag(0, "random seed")
+    seed: int = flag(0, "random seed", within(0, 2**32 - 1))
     device: str = flag("auto", "torch device for the trainer: auto, cpu, cuda, cuda:1, ...")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's own errors (an unknown flag, a word where a number goes) follow the rule
+        of every other bad input: one line, exit 2, from `main`."""
+        raise ValueError(f"{message} (see python tba.py --help)")
+
+
 def build_parser(with_defaults=True):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="python tba.py plot RUN [RUN ...] draws the curves of one or several runs")
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
-        help = f.metadata["help"] + (f" (default: {f.default})" if f.default not in (None, "") else "")
+        valid = f.metadata["valid"]
+        help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
+                + (f" (default: {f.default})" if f.default not in (None, "") else ""))
         default = f.default if with_defaults else argparse.SUPPRESS
         if f.type is bool:
             parser.add_argument(name, action="store_true", default=default, help=f.metadata["help"])
@@ -133,8 +195,50 @@ def parse_args(argv=None):
     return cfg, set(vars(build_parser(with_defaults=False).parse_args(argv)))
 
 
+def check_ranges(cfg):
+    """Every field against its own rule: NaN and infinities never pass, whatever the rule."""
+    for f in dataclasses.fields(Config):
+        value, valid = getattr(cfg, f.name), f.metadata["valid"]
+        if value is None or valid is None:
+            continue
+        test, text = valid
+        if (isinstance(value, float) and not math.isfinite(value)) or not test(value):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be {text} (got {value})")
+
+
+def check_combination(cfg):
+    """The rules that tie fields together."""
+    if cfg.searchers and cfg.buffer_capacity < max(cfg.min_buffer, cfg.prompts_per_step):
+        raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the "
+                         f"{max(cfg.min_buffer, cfg.prompts_per_step)} groups the trainer waits "
+                         "for (--min-buffer, --prompts-per-step): raise it")
+    if 0 <= cfg.max_staleness < cfg.sync_every - 1:
+        raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
+                         f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
+    if cfg.loss == "rloo" and cfg.searchers and not cfg.rloo_off_policy:
+        raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
+                         "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
+                         "to train it off-policy anyway")
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        raise ValueError(f"--device {cfg.device!r} is not a torch device: use auto, cpu, cuda "
+                         "or cuda:N") from None
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has no CUDA GPU that torch "
+                             "can use: use --device cpu")
+        if device.index is not None and device.index >= gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has {gpus} GPU(s), "
+                             f"cuda:0 to cuda:{gpus - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {cfg.device}: tba runs on cpu or cuda devices")
+
+
 def resolve(cfg):
-    """Fill the fields left unset with the task's defaults, and check the combination."""
+    """Fill the fields left unset with the task's defaults, and check every value and the
+    combination: bad input is refused here, before anything is loaded or written."""
     task_defaults = tasks.task_class(cfg.task).defaults
     cfg = dataclasses.replace(cfg, **{k: v for k, v in task_defaults.items()
                                       if getattr(cfg, k) is None})
@@ -144,18 +248,8 @@ def resolve(cfg):
         cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
     if not cfg.out:
         cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if cfg.group_size < 2:
-        raise ValueError(f"--group-size must be at least 2 (got {cfg.group_size}): "
-                         "log Z is estimated from the spread within each group")
-    if not 0.0 <= cfg.recent_frac <= 1.0:
-        raise ValueError(f"--recent-frac must be in [0, 1] (got {cfg.recent_frac})")
-    if cfg.sync_every < 1:
-        raise ValueError(f"--sync-every must be at least 1 (got {cfg.sync_every})")
-    if 0 <= cfg.max_staleness < cfg.sync_every - 1:
-        raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
-                         f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
-    if cfg.loss not in trainer.LOSSES:
-        raise ValueError(f"--loss must be one of {', '.join(trainer.LOSSES)} (got {cfg.loss!r})")
+    check_ranges(cfg)
+    check_combination(cfg)
     return cfg
 
 
@@ -191,19 +285,36 @@ def resumed_config(cfg, given):
                              f"{saved[name]}: on resume only "
                              + ", ".join("--" + f.replace("_", "-") for f in RESUME_OVERRIDES)
                              + " may change; start a new run (--out) to change the rest")
-    if checkpoint.latest(run) is None:
+    latest = checkpoint.latest(run)
+    if latest is None:
         raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
                          "one): start it again with another --out, or delete the folder")
     overrides = {name: getattr(cfg, name) for name in given if name in RESUME_OVERRIDES}
-    return resolve(Config(**{**saved, **overrides, "resume": str(run), "out": str(run)}))
+    cfg = resolve(Config(**{**saved, **overrides, "resume": str(run), "out": str(run)}))
+    if checkpoint.step_of(latest) >= cfg.steps:
+        raise ValueError(f"{run} is already at step {checkpoint.step_of(latest)}: pass --steps "
+                         "with a larger number to train it further")
+    return cfg
 
 
 def check_out_folder(cfg):
-    """A new run never writes into another run's folder."""
+    """The run folder can be written, and a new run never writes into another run's folder."""
     out = Path(cfg.out)
-    if (out / "config.json").exists() or (out / "metrics.jsonl").exists():
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: pass a folder")
+    if not cfg.resume and ((out / "config.json").exists() or (out / "metrics.jsonl").exists()):
         raise ValueError(f"{out} already holds a run: continue it with --resume {out}, or pass "
                          "another --out")
+    parent = out
+    while not parent.exists():               # the folder that the run's folder will go into
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder: pass another --out")
+    try:                                     # the only sure test of "can I write here", root too
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror}): pass a "
+                         "writable folder") from None
 
 
 def write_json(path, value):
@@ -288,10 +399,11 @@ def evaluate(task, model, tokenizer, ref_model, step, start, log):
     return metrics
 
 
-def wait_for_groups(buffer, pool, n_groups, min_version, progress=None):
-    """Block until the buffer holds n_groups recent enough to train on. -> seconds waited"""
+def wait_for_groups(buffer, pool, n_groups, min_version, max_reuse, progress=None):
+    """Block until the buffer holds n_groups fresh enough, and used few enough times, to train
+    on. -> seconds waited"""
     start = time.time()
-    while (have := buffer.count(min_version)) < n_groups:
+    while (have := buffer.count(min_version, max_reuse)) < n_groups:
         if progress is not None and have > progress.n:
             progress.update(have - progress.n)
         check_stop()
@@ -300,11 +412,29 @@ def wait_for_groups(buffer, pool, n_groups, min_version, progress=None):
     return time.time() - start
 
 
-def train(cfg):
-    """Sample, score, take a trainer step, repeat: in-process (--searchers 0) or from the buffer
-    that searcher processes fill while the trainer learns. Everything that can fail on bad
-    input (model, data, checkpoint) is loaded before anything is written."""
+@dataclass
+class Setup:
+    """What `load` prepares for `train`: everything that can fail on bad input."""
+    device: torch.device
+    searcher_devices: list
+    threads: int                      # CPU threads per process
+    task: tasks.Task
+    policy: torch.nn.Module
+    tokenizer: object
+    ref_model: torch.nn.Module        # the frozen initial policy
+    prompts: list                     # the training prompts
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    schedule_steps: int               # the lr schedule's length: the run's first --steps
+    resumed: dict | None              # the checkpoint's trainer state, on --resume
+    buffer: ReplayBuffer | None       # asynchronous runs only; a checkpoint's groups on --resume
+
+
+def load(cfg):
+    """Check the output folder, load the model, the data and the checkpoint: everything that can
+    fail on bad input, so that it fails here, before anything is written."""
     device, searcher_devices, threads = placement(cfg)
+    check_out_folder(cfg)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
@@ -312,55 +442,65 @@ def train(cfg):
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(device)
     ref_model = copy.deepcopy(policy).requires_grad_(False)
-    optimizer, scheduler = trainer.make_optimizer(policy, cfg.lr, cfg.steps, cfg.warmup_steps,
-                                                  cfg.decay_steps)
     prompts = task.prompts("train", tokenizer)
-    out = Path(cfg.out)
+    task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
     resumed = buffer_state = None
     if cfg.resume:
-        resumed, buffer_state = checkpoint.load(checkpoint.latest(out), policy)
-        if resumed["step"] >= cfg.steps:
-            raise ValueError(f"{out} is already at step {resumed['step']}: pass --steps with a "
-                             "larger number to train it further")
+        latest = checkpoint.latest(cfg.out)
+        resumed, buffer_state = checkpoint.load(latest, policy)
+    # The schedule is a function of the run's first --steps, so that going on past them (a
+    # resume with a larger --steps) continues at the decayed rate instead of jumping back up.
+    schedule_steps = resumed["schedule_steps"] if resumed else cfg.steps
+    optimizer, scheduler = trainer.make_optimizer(policy, cfg.lr, schedule_steps,
+                                                  cfg.warmup_steps, cfg.decay_steps)
+    if resumed:
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
+    buffer = None
+    if cfg.searchers:
+        buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, max(len(p.ids) for p in prompts),
+                              cfg.max_new_tokens, tokenizer.pad_token_id)
+        if buffer_state is not None:
+            try:
+                buffer.load_state_dict(buffer_state, max_version=resumed["step"])
+            except ValueError as e:
+                raise checkpoint.CheckpointError(
+                    f"{latest / 'buffer.pt'} is invalid ({e}): delete {latest} to resume from "
+                    "the checkpoint before it") from None
+    return Setup(device, searcher_devices, threads, task, policy, tokenizer, ref_model, prompts,
+                 optimizer, scheduler, schedule_steps, resumed, buffer)
 
+
+class RunFailed(Exception):
+    """The run stopped part-way for a reason other than bad input; the message says why."""
+
+
+def train(cfg, setup):
+    """Sample, score, take a trainer step, repeat: in-process (--searchers 0) or from the buffer
+    that searcher processes fill while the trainer learns. `setup` comes from `load(cfg)`."""
+    task, policy, tokenizer, ref_model = setup.task, setup.policy, setup.tokenizer, setup.ref_model
+    optimizer, scheduler, resumed, buffer = setup.optimizer, setup.scheduler, setup.resumed, setup.buffer
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", run_record(cfg, device, searcher_devices, threads))
+    write_json(out / "config.json", run_record(cfg, setup.device, setup.searcher_devices,
+                                               setup.threads))
     log = MetricsLog(out / "metrics.jsonl", resume_step=resumed["step"] if resumed else None)
     start_step = resumed["step"] if resumed else 0
     samples, tokens, groups = ((resumed["samples"], resumed["tokens"], resumed["groups"])
                                if resumed else (0, 0, 0))
     start = time.time() - (resumed["elapsed"] if resumed else 0.0)   # wall time spans sessions
-    if resumed:
-        tqdm.write(f"resuming {out} at step {start_step}")
-    else:
-        metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log)
 
     pool = None
-    if cfg.searchers:
-        buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, max(len(p.ids) for p in prompts),
-                              cfg.max_new_tokens, tokenizer.pad_token_id)
-        if buffer_state is not None:
-            buffer.load_state_dict(buffer_state)
-        weights = trainer.WeightChannel(policy, cfg.searchers, mp.get_context("spawn"))
-        weights.publish(policy, version=start_step)
-        pool = searcher.SearcherPool(cfg, searcher_devices, threads, buffer, weights)
-        sampler = torch.Generator().manual_seed(cfg.seed)
-    else:
-        batches = searcher.prompt_batches(prompts, cfg.prompts_per_step, cfg.seed)
-        for _ in range(start_step):          # the batches the resumed run has already used
-            next(batches)
-    if resumed:
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if pool and resumed["rng"]["sampler"] is not None:
-            sampler.set_state(resumed["rng"]["sampler"])
+    done = start_step                        # the last step whose update is complete
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", disable=cfg.quiet,
+               dynamic_ncols=True)
 
     def save_checkpoint(step):
         state = {"step": step, "samples": samples, "tokens": tokens, "groups": groups,
-                 "elapsed": time.time() - start,
+                 "elapsed": time.time() - start, "schedule_steps": setup.schedule_steps,
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": {"torch": torch.get_rng_state(),
+                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                          "sampler": sampler.get_state() if pool else None}}
         path = checkpoint.save(out, step, policy, tokenizer, state,
                                buffer.state_dict() if pool else None, cfg.keep_checkpoints)
@@ -368,14 +508,34 @@ def train(cfg):
             tqdm.write(f"step {step}: checkpoint {path}")
         return path
 
-    bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", disable=cfg.quiet,
-               dynamic_ncols=True)
-    done = start_step                        # the last step whose update is complete
     try:
+        if resumed:
+            tqdm.write(f"resuming {out} at step {start_step}")
+            if cfg.steps > setup.schedule_steps:
+                tqdm.write(f"note: the learning-rate schedule was set for {setup.schedule_steps} "
+                           f"steps; steps past them train at lr {scheduler.get_last_lr()[0]:.3g} "
+                           "and below", file=sys.stderr)
+        else:
+            metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log)
+        if cfg.searchers:
+            weights = trainer.WeightChannel(policy, cfg.searchers, mp.get_context("spawn"))
+            weights.publish(policy, version=start_step)
+            pool = searcher.SearcherPool(cfg, setup.searcher_devices, setup.threads, buffer, weights)
+            sampler = torch.Generator().manual_seed(cfg.seed)
+        else:
+            batches = searcher.prompt_batches(setup.prompts, cfg.prompts_per_step, cfg.seed)
+            for _ in range(start_step):          # the batches the resumed run has already used
+                next(batches)
+        if resumed:
+            torch.set_rng_state(resumed["rng"]["torch"])
+            if resumed["rng"]["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
+            if pool and resumed["rng"]["sampler"] is not None:
+                sampler.set_state(resumed["rng"]["sampler"])
         if pool:
             with tqdm(total=max(cfg.min_buffer, cfg.prompts_per_step), desc="filling the buffer",
                       unit="group", disable=cfg.quiet, leave=False) as fill:
-                wait_for_groups(buffer, pool, fill.total, -1, progress=fill)
+                wait_for_groups(buffer, pool, fill.total, -1, 0, progress=fill)
         last = time.time()
         tokens_before, groups_before = tokens, groups    # a resumed run's earlier sessions
         for step in range(start_step + 1, cfg.steps + 1):
@@ -385,9 +545,11 @@ def train(cfg):
             wait_s = sync_s = search_s = 0.0
             if pool:
                 min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
-                wait_s = wait_for_groups(buffer, pool, cfg.prompts_per_step, min_version)
+                wait_s = wait_for_groups(buffer, pool, cfg.prompts_per_step, min_version,
+                                         cfg.max_reuse)
                 batch = buffer.sample(cfg.prompts_per_step, cfg.recent_frac,
-                                      cfg.priority_temp or None, sampler, min_version)
+                                      cfg.priority_temp or None, sampler, min_version,
+                                      cfg.max_reuse)
             else:
                 t0 = time.time()
                 batch, _ = searcher.sample_groups(policy, ref_model, tokenizer, task, next(batches),
@@ -409,6 +571,7 @@ def train(cfg):
                 pool.poll()
                 tokens = tokens_before + pool.tokens
                 groups = groups_before + pool.groups
+            infos = pool.take_infos() if pool else [batch.info] if batch.info is not None else []
             samples += batch.reward.numel()
             now = time.time()
             staleness = (version - batch.version).float()
@@ -416,12 +579,14 @@ def train(cfg):
                    "beta": beta, "lr": lr, "version": version,
                    "staleness_mean": staleness.mean().item(),
                    "staleness_max": staleness.max().item(),
+                   "reuse_mean": batch.draws.float().mean().item() if pool else 1.0,
                    "buffer_groups": len(buffer) if pool else 0,
                    "recent_frac_actual": batch.recent_count / len(batch.version) if pool else 1.0,
                    "trainer_wait_s": round(wait_s, 4), "sync_s": round(sync_s, 4),
                    "search_s": round(search_s, 4), "train_s": round(train_s, 4),
                    "gen_groups": groups, "gen_tokens_per_s": round(tokens / (now - start), 2),
-                   "samples_per_s": round(batch.reward.numel() / (now - last), 2)}
+                   "samples_per_s": round(batch.reward.numel() / (now - last), 2),
+                   **task.search_metrics(infos)}
             log.write(row)
             last, done = now, step
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3g}",
@@ -438,6 +603,12 @@ def train(cfg):
         if stop_signals == 1 and done > start_step:   # stopped at a step boundary: keep it
             tqdm.write(f"saved {save_checkpoint(done)}; continue with: python tba.py --resume {out}")
         raise
+    except (searcher.SearcherError, trainer.NonFiniteError) as e:
+        raise RunFailed(f"after step {done}: {e}") from e
+    except Exception as e:                    # a failure mid-run, not bad input: keep the trace
+        (out / "error.log").write_text(traceback.format_exc())
+        raise RunFailed(f"after step {done}: {type(e).__name__}: {e} (the traceback is in "
+                        f"{out / 'error.log'})") from e
     finally:
         bar.close()
         if pool:
@@ -468,32 +639,28 @@ def check_stop():
 
 
 def main(argv=None):
+    """The command line. Exit codes: 0 done, 2 bad input (one `error:` line, nothing written),
+    1 the run failed part-way (the message says how to continue), 130 stopped by a signal."""
     global stop_signals
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:
         return plot.main(argv[1:])
     try:
         cfg, given = parse_args(argv)
-        if cfg.resume:
-            cfg = resumed_config(cfg, given)
-        else:
-            cfg = resolve(cfg)
-            check_out_folder(cfg)
-        placement(cfg)
-    except ValueError as e:
+        cfg = resumed_config(cfg, given) if cfg.resume else resolve(cfg)
+        setup = load(cfg)
+    except (ValueError, models.ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop_signals = 0
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        train(cfg)
-    except (ValueError, models.ModelLoadError) as e:        # bad input found while loading
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except searcher.SearcherError as e:
+        train(cfg, setup)
+    except RunFailed as e:
+        latest = checkpoint.latest(cfg.out)
         print(f"error: {e}\nthe run stopped; metrics so far are in {cfg.out}/metrics.jsonl"
-              + (f"; continue it with: python tba.py --resume {cfg.out}"
-                 if checkpoint.latest(cfg.out) else ""), file=sys.stderr)
+              + (f"; continue it from {latest.name} with: python tba.py --resume {cfg.out}"
+                 if latest else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"interrupted; metrics so far are in {cfg.out}/metrics.jsonl", file=sys.stderr)

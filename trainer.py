@@ -124,6 +124,10 @@ def group_inputs(batch: GroupBatch, group_slice=slice(None)):
     return flat(input_ids), flat(attention_mask), flat(response_mask)
 
 
+class NonFiniteError(ArithmeticError):
+    """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
+
+
 def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", temperature=1.0,
                micro_groups=None, max_grad_norm=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups.
@@ -131,6 +135,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", 
     Splitting by whole groups keeps each log Ẑ a mean over its own K completions, so the
     accumulated gradient equals the gradient of the full-batch loss exactly. The model stays in
     eval mode: dropout would make the trained log-probs differ from the sampled ones.
+    A NaN or infinite loss or gradient norm raises NonFiniteError *before* the optimiser step:
+    one such update would turn every weight into NaN, and the searchers would sample from it.
     """
     device = next(model.parameters()).device
     batch = batch.to(device)
@@ -154,6 +160,10 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", 
             log_zs.append(log_z)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_grad_norm if max_grad_norm else math.inf)
+    if not (math.isfinite(total_loss) and math.isfinite(grad_norm.item())):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"the loss is {total_loss:.4g} and the gradient norm "
+                             f"{grad_norm.item():.4g}; the update was not applied")
     optimizer.step()
     scheduler.step()
     logp = torch.cat(logps)                                                    # [B, K]
@@ -170,11 +180,12 @@ class WeightChannel:
     """Ships the trainer's weights to the searchers: shared memory for the bytes, queues for the news.
 
     Two shared-memory copies of the parameters are allocated once (so shared memory does not grow
-    from sync to sync), each with its own lock. Version v is written into slot v % 2 and each
-    searcher's queue gets a note (version, slot). A searcher copies the slot out under the same
-    lock and takes the version stored *in the slot*, so it never loads a half-written state dict
-    and never mislabels one. With two slots, the trainer only waits if a searcher is still
-    reading the weights from two syncs ago.
+    from sync to sync), each with its own lock. Publishes alternate between the slots (by count,
+    not by version: versions are multiples of --sync-every, so `version % 2` would put every
+    publish in slot 0 when k is even) and each searcher's queue gets a note (version, slot). A
+    searcher copies the slot out under the same lock and takes the version stored *in the slot*,
+    so it never loads a half-written state dict and never mislabels one. With two slots, the
+    trainer only waits if a searcher is still reading the weights from two syncs ago.
     """
 
     def __init__(self, model, n_readers, ctx):
@@ -189,11 +200,13 @@ class WeightChannel:
         self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
         self.locks = [ctx.Lock() for _ in range(2)]
         self.queues = [ctx.Queue() for _ in range(n_readers)]
+        self.publishes = 0                          # trainer side only: which slot is next
 
     @torch.no_grad()
     def publish(self, model, version):
         """Trainer side: copy the weights into the free slot, then tell every searcher."""
-        slot = version % 2
+        slot = self.publishes % 2
+        self.publishes += 1
         state = model.state_dict()
         with self.locks[slot]:
             for name in self.names:

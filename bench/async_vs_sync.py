@@ -35,7 +35,7 @@ def run(task, steps, searchers, out, cores=None, extra=()):
         cfg = tba.resolve(tba.parse_args(
             ["--task", task, "--searchers", str(searchers), "--steps", str(steps),
              "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out), *extra])[0])
-        tba.train(cfg)
+        tba.train(cfg, tba.load(cfg))
     finally:
         os.cpu_count = real_cpu_count
     train_rows, eval_rows = plot.read_metrics(out)

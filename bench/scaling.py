@@ -69,7 +69,7 @@ def measure(searchers, steps, out):
     argv = ["--task", "scaling:SimTask", "--searchers", str(searchers), "--steps", str(steps),
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
     cfg = tba.resolve(tba.parse_args(argv)[0])
-    tba.train(cfg)
+    tba.train(cfg, tba.load(cfg))
     rows, _ = plot.read_metrics(out)                          # the training rows
     rows = rows[len(rows) // 5:]                              # skip the warm-up
     first, last = rows[0], rows[-1]

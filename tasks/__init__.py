@@ -6,6 +6,7 @@ A task is one file with one `Task` subclass. The rest of the project only uses t
     model, tokenizer = task.load_model(device)
     prompts = task.prompts("train", tokenizer)          # list[Prompt], already tokenised
     rewards = task.reward(prompts, completions)         # list[float], one per completion
+    rewards, info = task.score(prompts, completions)    # the same, and what to log about them
     metrics = task.evaluate(model, tokenizer, ref_model)  # {"eval/accuracy": ...} or {"toy/tv": ...}
 """
 import importlib
@@ -30,7 +31,7 @@ class Task:
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
                     warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0, sync_every=2,
-                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000,
+                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000, max_reuse=4,
                     micro_groups=0, save_every=50, eval_samples=0)
 
     def __init__(self, cfg):
@@ -47,13 +48,24 @@ class Task:
     def reward(self, prompts, completions):
         raise NotImplementedError
 
+    def score(self, prompts, completions):
+        """(rewards, info): the rewards, and what the task wants logged about these completions,
+        computed where they were scored (a searcher process) and handed to `search_metrics` in
+        the trainer's. Most tasks have nothing to add."""
+        return self.reward(prompts, completions), None
+
+    def search_metrics(self, infos):
+        """Training-row metrics from the `score` infos of the batches generated since the last
+        row (in the trainer's process, so the task may keep state across rows)."""
+        return {}
+
     def evaluate(self, model, tokenizer, ref_model, step=None):
         raise NotImplementedError
 
 
 # Imported on demand, so that a task's optional dependencies are only needed when it is used.
 TASKS = {"toy": "tasks.toy:ToyTask", "gsm8k": "tasks.gsm8k:Gsm8kTask",
-         "arith": "tasks.arith:ArithTask"}
+         "arith": "tasks.arith:ArithTask", "redteam": "tasks.redteam:RedTeamTask"}
 
 
 def task_class(name):

@@ -21,6 +21,25 @@ HOW_TO_GET = ("pass --data-dir FOLDER holding train.jsonl and test.jsonl from "
               "or `pip install datasets` on a machine that reaches the Hugging Face hub")
 
 
+def read_jsonl(path):
+    """[(question, solution)] from a GSM8K jsonl file; a bad line is named by file and number."""
+    pairs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {number} is not valid JSON ({e.msg}): fix or remove "
+                             "it") from None
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                and isinstance(row.get("answer"), str)):
+            raise ValueError(f"{path} line {number} lacks the text fields \"question\" and "
+                             "\"answer\" of a GSM8K row: fix or remove it")
+        pairs.append((row["question"], row["answer"]))
+    return pairs
+
+
 @functools.cache
 def load_gsm8k(data_dir=""):
     """{"train": [(question, solution), ...], "test": [...]}, from a folder or the hub.
@@ -34,9 +53,7 @@ def load_gsm8k(data_dir=""):
         missing = [str(f) for f in files.values() if not f.is_file()]
         if missing:
             raise ValueError(f"GSM8K data not found ({', '.join(missing)} missing): {HOW_TO_GET}")
-        return {split: [(row["question"], row["answer"])
-                        for row in map(json.loads, f.read_text().splitlines()) if row]
-                for split, f in files.items()}
+        return {split: read_jsonl(f) for split, f in files.items()}
     # The hub: only tried when it answers at once, so an offline machine fails in seconds.
     if importlib.util.find_spec("datasets") is None or not models._hub_reachable():
         raise ValueError(f"GSM8K data not found locally and the hub is not usable: {HOW_TO_GET}")

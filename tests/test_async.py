@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,15 +80,81 @@ def rows(path):
     return [r for r in lines if "loss" in r], [r for r in lines if "toy/tv" in r]
 
 
+def test_publishes_alternate_slots_so_a_reader_never_blocks_the_trainer():
+    """With --sync-every 2 the versions are all even: the slot must follow the publish count,
+    or every publish lands in one slot and waits for whoever is reading it."""
+    channel = WeightChannel(build_model(len(build_tokenizer())), 1, mp.get_context("spawn"))
+    model = build_model(len(build_tokenizer()))
+    channel.publish(model, version=2)
+    channel.publish(model, version=4)
+    assert sorted(channel.slot_version.tolist()) == [2, 4]
+    reading = channel.slot_version.tolist().index(4)
+    channel.locks[reading].acquire()                  # a searcher copying version 4 out
+    try:
+        publisher = threading.Thread(target=channel.publish, args=(model, 6))
+        publisher.start()
+        publisher.join(timeout=10)
+        assert not publisher.is_alive(), "the trainer waited on the slot being read"
+        assert sorted(channel.slot_version.tolist()) == [4, 6]
+    finally:
+        channel.locks[reading].release()
+        channel.close()
+
+
+TRAINER_HOLDING_THE_LOCK = """
+import sys, time, torch, torch.multiprocessing as mp
+import searcher, tasks, tba
+from buffer import ReplayBuffer
+from trainer import WeightChannel
+cfg = tba.resolve(tba.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
+policy, tokenizer = tasks.make_task(cfg).load_model(torch.device("cpu"))
+buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens,
+                      tokenizer.pad_token_id)
+weights = WeightChannel(policy, 1, mp.get_context("spawn"))
+weights.publish(policy, version=0)
+pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
+while len(buffer) < cfg.prompts_per_step:
+    time.sleep(0.05)
+buffer._lock.acquire()                  # the searcher's next `add` waits on this for ever
+print(pool.processes[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_searcher_dies_with_a_killed_trainer_even_while_waiting_on_its_lock(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_HOLDING_THE_LOCK, str(tmp_path)],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)
+    children = []
+    try:
+        searcher_pid = int(trainer.stdout.readline())
+        children = psutil.Process(trainer.pid).children(recursive=True)
+        time.sleep(2)                                  # the searcher reaches the held lock
+        assert psutil.pid_exists(searcher_pid)
+        trainer.kill()
+        trainer.wait(10)
+        _, alive = psutil.wait_procs(children, timeout=10)   # searcher and resource tracker
+        assert not alive, f"left running: {alive}"
+    finally:
+        for process in [trainer, *children]:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
 def test_two_searchers_run_and_exit_cleanly(tmp_path):
-    sync_every, max_staleness = 2, 3
+    sync_every, max_staleness, max_reuse = 2, 3, 2
     result = run_tba(tmp_path, "--searchers", "2", "--steps", "40", "--eval-every", "0",
-                     "--sync-every", str(sync_every), "--max-staleness", str(max_staleness))
+                     "--sync-every", str(sync_every), "--max-staleness", str(max_staleness),
+                     "--max-reuse", str(max_reuse))
     assert result.returncode == 0, result.stderr
     train_rows, eval_rows = rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in train_rows] == list(range(1, 41))
     for r in train_rows:
         assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= max_staleness
+        assert 1 <= r["reuse_mean"] <= max_reuse
         assert r["version"] == r["step"] - 1 and r["buffer_groups"] >= 2
     assert any(r["staleness_max"] > 0 for r in train_rows)      # data really was off-policy
     assert train_rows[-1]["gen_tokens_per_s"] > 0

@@ -175,18 +175,63 @@ def test_generator_reproducible():
 
 def test_state_dict_round_trip():
     buf = filled(7, capacity=5)
+    buf.sample(2, 0.0)                                  # draw counts travel with the groups
     state = buf.state_dict()
     other = ReplayBuffer(5, K, P, R)
-    other.load_state_dict(state)
+    other.load_state_dict(state, max_version=7)
     assert len(other) == 5 and other.newest_version() == 7
     for name in ReplayBuffer._FIELDS:
         assert torch.equal(getattr(other, name), getattr(buf, name))
     other.add(**make_group(8))  # continues the ring where it stopped: evicts group 3
     assert sorted(other.sample(5, 0.0).prompt_index.tolist()) == [4, 5, 6, 7, 8]
     with pytest.raises(ValueError, match="response_ids"):
-        ReplayBuffer(5, K, P, R + 1).load_state_dict(state)
+        ReplayBuffer(5, K, P, R + 1).load_state_dict(state, max_version=7)
     with pytest.raises(ValueError, match="capacity=6"):
-        ReplayBuffer(6, K, P, R).load_state_dict(state)
+        ReplayBuffer(6, K, P, R).load_state_dict(state, max_version=7)
+
+
+def spoiled(name, index, value):
+    state = filled(7, capacity=5).state_dict()
+    state[name][index] = value
+    return state
+
+
+@pytest.mark.parametrize("state, message", [
+    (spoiled("response_len", (0, 1), R + 1), f"response lengths outside \\[1, {R}\\]: \\[{R + 1}\\]"),
+    (spoiled("response_len", (2, 0), 0), "response lengths outside"),
+    (spoiled("prompt_len", 4, P + 3), f"prompt lengths outside \\[1, {P}\\]"),
+    (spoiled("version", 1, 8), "versions outside \\[0, 7\\]: \\[8\\]"),      # from the future
+    (spoiled("version", 1, -1), "versions outside"),
+    (spoiled("reward", (3, 2), math.nan), "non-finite rewards"),
+    (spoiled("ref_logp", (0, 0), -math.inf), "non-finite reference log-probs"),
+    (spoiled("order", 0, 99), "insertion orders"),
+    (spoiled("draws", 0, -2), "negative draw counts"),
+    (dict(spoiled("draws", 0, 0), n_added=-3), "'n_added' must be a count"),
+    (dict(spoiled("draws", 0, 0), reward=torch.zeros(5, K, dtype=torch.float64)), "float64"),
+])
+def test_impossible_buffer_state_is_refused(state, message):
+    """Right shapes, impossible values: each is refused with what is wrong, nothing loaded."""
+    buf = ReplayBuffer(5, K, P, R)
+    with pytest.raises(ValueError, match=message):
+        buf.load_state_dict(state, max_version=7)
+    assert len(buf) == 0
+
+
+def test_reuse_is_bounded():
+    """With max_reuse=2 each group is drawn at most twice; `draws` counts this draw too, and a
+    group written into a slot starts again at 0."""
+    buf = filled(4)
+    first = buf.sample(4, 0.0, max_reuse=2)
+    assert first.draws.tolist() == [1, 1, 1, 1]
+    second = buf.sample(4, 0.0, max_reuse=2)
+    assert second.draws.tolist() == [2, 2, 2, 2]
+    assert buf.count(max_reuse=2) == 0 and buf.count() == 4     # used up, but still there
+    with pytest.raises(ValueError, match="drawn fewer than 2 times"):
+        buf.sample(1, 0.0, max_reuse=2)
+    assert buf.sample(1, 0.0).draws.tolist() == [3]             # 0: no bound
+    buf.add(**make_group(5))                                     # replaces the oldest slot
+    assert buf.count(max_reuse=2) == 1
+    assert buf.sample(1, 1.0, max_reuse=2).prompt_index.tolist() == [5]
 
 
 def _writer(buf, writer_id, started, stop):

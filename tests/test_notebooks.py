@@ -32,7 +32,7 @@ NEEDS = {"04_gsm8k.ipynb": [
 def test_there_are_notebooks():
     names = {p.relative_to(REPO / "notebooks").as_posix() for p in NOTEBOOKS}
     assert {"01_trajectory_balance.ipynb", "02_off_policy_and_replay.ipynb",
-            "03_asynchrony.ipynb", "04_gsm8k.ipynb"} <= names
+            "03_asynchrony.ipynb", "04_gsm8k.ipynb", "05_red_teaming.ipynb"} <= names
     assert len([n for n in names if n.startswith("assignments/")]) == 3
 
 

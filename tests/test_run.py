@@ -1,7 +1,5 @@
 """The run experience: run folder, checkpoints, resume, plots and one-line errors."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import checkpoint
 import tba
 import trainer
 
-REPO = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
 # Wall-clock measurements: the only metrics that may differ between two identical runs.
 TIMING = {"time", "gen_tokens_per_s", "samples_per_s", "trainer_wait_s", "sync_s", "search_s",
@@ -81,8 +78,8 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypa
         return real_save(obj, path, *args, **kwargs)
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint.torch, "save", crash_while_writing)
-        with pytest.raises(OSError):
-            tba.main(["--resume", str(run), "--steps", "8"])
+        assert tba.main(["--resume", str(run), "--steps", "8"]) == 1     # a failure, not bad input
+    assert "No space left on device" in (run / "error.log").read_text()
     assert (run / "checkpoints" / ".tmp-step_6" / "model").is_dir()      # the half-written one
     assert checkpoint.latest(run).name == "step_4"
     # Steps 5 and 6 were logged before the crash; resuming from step 4 redoes them.
@@ -103,74 +100,6 @@ def test_checkpoints_load_tensors_only(tmp_path):
     model, _ = tba.tasks.make_task(tba.resolve(tba.parse_args(TOY)[0])).load_model("cpu")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
         checkpoint.load(ckpt, model)
-
-
-def broken_checkpoint(run):
-    (checkpoint.latest(run) / "trainer.pt").write_bytes(b"\x80\x02 truncated")
-
-
-def incompatible_config(run):
-    record = json.loads((run / "config.json").read_text())
-    record["config"]["a_setting_from_the_future"] = 1
-    (run / "config.json").write_text(json.dumps(record))
-
-
-def corrupt_config(run):
-    (run / "config.json").write_text('{"config": {"task": "to')
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--task", "chess"], "unknown task 'chess': choose one of toy, gsm8k, arith"),
-    (["--task", "arith", "--model", "/no/such/model"], "model path not found: /no/such/model"),
-    (["--task", "gsm8k", "--data-dir", "/no/such/data", "--model", "TOY_MODEL"],
-     "GSM8K data not found"),
-    (["--group-size", "1"], "--group-size must be at least 2"),
-    (["--recent-frac", "1.5"], "--recent-frac must be in [0, 1]"),
-    (["--sync-every", "0"], "--sync-every must be at least 1"),
-    (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
-])
-def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
-    if "TOY_MODEL" in args:            # a real model folder, so that only the data is missing
-        model, tokenizer = tba.tasks.make_task(tba.resolve(tba.parse_args(TOY)[0])).load_model("cpu")
-        model.save_pretrained(tmp_path / "model")
-        tokenizer.save_pretrained(tmp_path / "model")
-        args = [str(tmp_path / "model") if a == "TOY_MODEL" else a for a in args]
-    out = tmp_path / "run"
-    assert tba.main([*args, "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and message in err[-1]
-    assert not out.exists()                        # nothing written for a run that never started
-
-
-@pytest.mark.parametrize("spoil, args, message", [
-    (None, ["--resume", "MISSING"], "no such folder"),
-    (corrupt_config, ["--resume", "RUN"], "config.json is corrupt"),
-    (incompatible_config, ["--resume", "RUN"], "incompatible version of tba"),
-    (None, ["--resume", "RUN", "--lr", "0.1"], "--lr 0.1 differs from the resumed run's 0.0005"),
-    (None, ["--resume", "RUN"], "is already at step 2: pass --steps"),
-    (broken_checkpoint, ["--resume", "RUN", "--steps", "4"], "step_2 is unreadable"),
-    (None, [*TOY, "--out", "RUN"], "already holds a run: continue it with --resume"),
-])
-def test_bad_resume_or_output_folder(spoil, args, message, tmp_path, capsys):
-    run = tmp_path / "run"
-    assert tba.main([*TOY, "--steps", "2", "--out", str(run)]) == 0
-    if spoil:
-        spoil(run)
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    args = [str(run) if a == "RUN" else str(tmp_path / "missing") if a == "MISSING" else a
-            for a in args]
-    capsys.readouterr()
-    assert tba.main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before   # untouched
-
-
-def test_errors_have_no_traceback():
-    done = subprocess.run([sys.executable, "tba.py", "--task", "toy", "--recent-frac", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.strip() == "error: --recent-frac must be in [0, 1] (got 2.0)"
 
 
 def test_plot_writes_pngs(tmp_path, capsys):

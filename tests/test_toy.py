@@ -85,8 +85,8 @@ def test_sync_toy_run_reaches_target(tmp_path, capsys):
 
 
 def test_rloo_runs(tmp_path):
-    assert tba.main(["--task", "toy", "--loss", "rloo", "--steps", "20", "--eval-every", "10",
-                     "--out", str(tmp_path)]) == 0
+    assert tba.main(["--task", "toy", "--loss", "rloo", "--searchers", "0", "--steps", "20",
+                     "--eval-every", "10", "--out", str(tmp_path)]) == 0
     train_rows, eval_rows = read_metrics(tmp_path / "metrics.jsonl")
     assert len(train_rows) == 20 and [r["step"] for r in eval_rows] == [0, 10, 20]
     assert all(r["log_z"] is None for r in train_rows)   # RLOO estimates no log Z

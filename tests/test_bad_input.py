@@ -1,0 +1,263 @@
+"""Bad input and failures part-way: every bad setting is one `error:` line and exit 2 before
+anything is written; a failing run (NaN, an exception) stops with exit 1 and how to continue."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import checkpoint
+import tba
+import trainer
+from buffer import GroupBatch
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
+
+
+def one_error_line(capsys, message):
+    """stderr is exactly one line, `error: ...` holding `message`, and no traceback."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.fixture(scope="module")
+def toy_model_and_data(tmp_path_factory):
+    """A real model folder (the toy's) and a GSM8K-format folder, so that a case can reach the
+    data files and fail on them alone."""
+    root = tmp_path_factory.mktemp("inputs")
+    model, tokenizer = tba.tasks.make_task(tba.resolve(tba.parse_args(TOY)[0])).load_model("cpu")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    row = json.dumps({"question": "a b", "answer": "c #### 1"})
+    for name, lines in {"bad_json": ([row, row, '{"question": "a",'], [row]),
+                        "no_answer": ([row], [row, json.dumps({"question": "a"})])}.items():
+        (root / name).mkdir()
+        for split, rows in zip(("train", "test"), lines):
+            (root / name / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "a_file").write_text("not a folder")
+    return root
+
+
+GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
+
+
+@pytest.mark.parametrize("args, message", [
+    # unknown names and missing things
+    (["--task", "chess"], "unknown task 'chess': choose one of toy, gsm8k, arith"),
+    (["--task", "arith", "--model", "/no/such/model"], "model path not found: /no/such/model"),
+    ([*GSM8K, "--data-dir", "/no/such/data"], "GSM8K data not found"),
+    ([*GSM8K, "--data-dir", "INPUTS/bad_json"], "bad_json/train.jsonl line 3 is not valid JSON"),
+    ([*GSM8K, "--data-dir", "INPUTS/no_answer"], "no_answer/test.jsonl line 2 lacks the text "
+                                                  'fields "question" and "answer"'),
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # one value out of its range
+    (["--steps", "0"], "--steps must be at least 1 (got 0)"),
+    (["--prompts-per-step", "0"], "--prompts-per-step must be at least 1"),
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--temperature", "0"], "--temperature must be greater than 0 (got 0.0)"),
+    (["--beta", "-0.1"], "--beta must be greater than 0 (got -0.1)"),     # would train away
+    (["--beta", "0"], "--beta must be greater than 0"),                    # r/β: NaN
+    (["--beta", "nan"], "--beta must be greater than 0 (got nan)"),
+    (["--beta-final", "0"], "--beta-final must be greater than 0"),
+    (["--lr", "inf"], "--lr must be greater than 0 (got inf)"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0"),    # gradient ascent
+    (["--micro-groups", "-1"], "--micro-groups must be at least 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
+    (["--eval-n", "-5"], "--eval-n must be at least 0"),
+    (["--searchers", "-1"], "--searchers must be at least 0"),
+    (["--recent-frac", "1.5"], "--recent-frac must be in [0, 1]"),
+    (["--priority-temp", "-1"], "--priority-temp must be at least 0"),
+    (["--sync-every", "0"], "--sync-every must be at least 1"),
+    (["--max-reuse", "-1"], "--max-reuse must be at least 0"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967295]"),
+    (["--loss", "ppo"], "--loss must be one of tb, rloo"),
+    (["--task", "arith", "--arith-ops", "+/"], "--arith-ops must be made of + - *"),
+    (["--task", "arith", "--prompt-style", "fancy"], "--prompt-style must be one of auto, chat"),
+    # combinations
+    (["--buffer-capacity", "3"], "--buffer-capacity 3 is below the 4 groups the trainer waits"),
+    (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
+    (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),
+    (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
+    # the machine and the output folder
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
+    (["--device", "gpu"], "--device 'gpu' is not a torch device"),
+    (["--out", "INPUTS/a_file"], "a_file is a file: pass a folder"),
+    (["--out", "INPUTS/a_file/run"], "a_file is a file, not a folder"),
+    (["--out", "/sys/tba-run"], "--out /sys/tba-run: cannot write in /sys"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, toy_model_and_data, tmp_path, capsys):
+    args = [a.replace("INPUTS", str(toy_model_and_data)) for a in args]
+    out = tmp_path / "run"
+    if "--out" not in args:
+        args += ["--out", str(out)]
+    before = sorted(toy_model_and_data.rglob("*"))
+    assert tba.main(args) == 2
+    one_error_line(capsys, message)
+    assert not out.exists()                        # nothing written for a run that never started
+    assert sorted(toy_model_and_data.rglob("*")) == before
+
+
+def broken_checkpoint(run):
+    (checkpoint.latest(run) / "trainer.pt").write_bytes(b"\x80\x02 truncated")
+
+
+def incompatible_config(run):
+    record = json.loads((run / "config.json").read_text())
+    record["config"]["a_setting_from_the_future"] = 1
+    (run / "config.json").write_text(json.dumps(record))
+
+
+def corrupt_config(run):
+    (run / "config.json").write_text('{"config": {"task": "to')
+
+
+def spoil_buffer(name, value):
+    """A buffer.pt with the right shapes but an impossible value in its first group."""
+    def spoil(run):
+        path = checkpoint.latest(run) / "buffer.pt"
+        state = torch.load(path, weights_only=True)
+        state[name][0] = value
+        torch.save(state, path)
+    return spoil
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """A finished 2-step run with a searcher: its checkpoint holds a buffer.pt."""
+    run = tmp_path_factory.mktemp("async") / "run"
+    done = subprocess.run([sys.executable, "tba.py", "--task", "toy", "--searchers", "1",
+                           "--steps", "2", "--eval-every", "0", "--quiet", "--out", str(run)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize("kind, spoil, args, message", [
+    ("sync", None, ["--resume", "MISSING"], "no such folder"),
+    ("sync", corrupt_config, ["--resume", "RUN"], "config.json is corrupt"),
+    ("sync", incompatible_config, ["--resume", "RUN"], "incompatible version of tba"),
+    ("sync", None, ["--resume", "RUN", "--lr", "0.1"], "--lr 0.1 differs from the resumed run's 0.0005"),
+    ("sync", None, ["--resume", "RUN"], "is already at step 2: pass --steps"),
+    ("sync", None, ["--resume", "RUN", "--steps", "0"], "--steps must be at least 1"),
+    ("sync", None, ["--resume", "RUN", "--steps", "4", "--device", "cuda"], "no CUDA GPU"),
+    ("sync", broken_checkpoint, ["--resume", "RUN", "--steps", "4"], "step_2 is unreadable"),
+    ("sync", None, [*TOY, "--out", "RUN"], "already holds a run: continue it with --resume"),
+    ("rloo", None, ["--resume", "RUN", "--steps", "4", "--searchers", "1"], "--loss rloo is on-policy"),
+    ("async", spoil_buffer("response_len", 99), ["--resume", "RUN", "--steps", "4"],
+     "buffer.pt is invalid (buffer state_dict holds response lengths outside [1, 5]: [99, 99"),
+    ("async", spoil_buffer("version", 7), ["--resume", "RUN", "--steps", "4"],
+     "versions outside [0, 2]: [7]"),
+    ("async", spoil_buffer("reward", math.nan), ["--resume", "RUN", "--steps", "4"],
+     "non-finite rewards"),
+])
+def test_bad_resume_or_output_folder(kind, spoil, args, message, async_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    if kind == "async":
+        shutil.copytree(async_run, run)
+    else:
+        assert tba.main([*TOY, "--steps", "2", "--out", str(run),
+                         *(["--loss", "rloo"] if kind == "rloo" else [])]) == 0
+    if spoil:
+        spoil(run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    args = [str(run) if a == "RUN" else str(tmp_path / "missing") if a == "MISSING" else a
+            for a in args]
+    capsys.readouterr()
+    assert tba.main(args) == 2
+    one_error_line(capsys, message)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before   # untouched
+
+
+def test_errors_have_no_traceback():
+    done = subprocess.run([sys.executable, "tba.py", "--task", "toy", "--beta", "-0.1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "error: --beta must be greater than 0 (got -0.1)"
+
+
+def test_non_finite_step_is_never_applied():
+    """A NaN loss raises before the optimiser step: weights and optimiser state stay as they were."""
+    model = torch.nn.Linear(3, 1)
+    optimizer, scheduler = trainer.make_optimizer(model, 1e-2, 10, 0, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    class Scorer(torch.nn.Module):          # stands in for a causal LM: logits from the tokens
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, logits_to_keep, **kwargs):
+            logits = self.inner(torch.nn.functional.one_hot(input_ids % 3, 3).float())
+            return type("Out", (), {"logits": logits.expand(-1, -1, 4)[:, -logits_to_keep:]})
+    batch = GroupBatch(prompt_ids=torch.tensor([[1]]), prompt_mask=torch.tensor([[1]]),
+                       response_ids=torch.tensor([[[2], [3]]]), response_len=torch.tensor([[1, 1]]),
+                       reward=torch.tensor([[1.0, math.nan]]), ref_logp=torch.zeros(1, 2),
+                       version=torch.tensor([0]), prompt_index=torch.tensor([0]))
+    with pytest.raises(trainer.NonFiniteError, match="the loss is nan"):
+        trainer.train_step(Scorer(model), optimizer, scheduler, batch, beta=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not optimizer.state and scheduler.last_epoch == 0
+
+
+def fail_at_call(monkeypatch, n, make_loss):
+    """Make the TB loss of trainer step `n` come from `make_loss(loss, log_z)`."""
+    real, calls = trainer.tb_loss, []
+
+    def loss(*args):
+        calls.append(1)
+        out = real(*args)
+        return make_loss(*out) if len(calls) == n else out
+    monkeypatch.setitem(trainer.LOSSES, "tb", loss)
+
+
+def test_nan_loss_stops_the_run_at_that_step(tmp_path, monkeypatch, capsys):
+    fail_at_call(monkeypatch, 3, lambda loss, log_z: (loss * math.nan, log_z))
+    run = tmp_path / "run"
+    assert tba.main([*TOY, "--save-every", "2", "--out", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "error: after step 2: the loss is nan and the gradient norm nan; the update was not " \
+           "applied" in err
+    assert f"continue it from step_2 with: python tba.py --resume {run}" in err
+    assert "Traceback" not in err and not (run / "final").exists()
+    assert checkpoint.latest(run).name == "step_2"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("searchers", ["0", "1"])
+def test_exception_mid_run_stops_searchers_and_says_how_to_continue(searchers, tmp_path,
+                                                                    monkeypatch, capsys):
+    def boom(loss, log_z):
+        raise RuntimeError("boom")
+    fail_at_call(monkeypatch, 3, boom)
+    run = tmp_path / "run"
+    assert tba.main([*TOY, "--searchers", searchers, "--save-every", "2", "--out", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: after step 2: RuntimeError: boom (the traceback is in {run / 'error.log'})" in err
+    assert f"continue it from step_2 with: python tba.py --resume {run}" in err
+    assert "Traceback" not in err and "Traceback" in (run / "error.log").read_text()
+    searchers_left = [c for c in psutil.Process().children(recursive=True)
+                      if "spawn_main" in " ".join(c.cmdline())]
+    assert not [p for p in searchers_left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_resume_continues_the_original_schedule(tmp_path, capsys):
+    """A run of 4 steps decaying to 0, extended to 6: the extension trains at the decayed rate
+    (0 here) instead of rebuilding the schedule for 6 steps, where step 5 would jump back up."""
+    run = tmp_path / "run"
+    schedule = ["--lr", "1e-3", "--warmup-steps", "0", "--decay-steps", "4"]
+    assert tba.main([*TOY, *schedule, "--steps", "4", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert tba.main(["--resume", str(run), "--steps", "6"]) == 0
+    assert "note: the learning-rate schedule was set for 4 steps" in capsys.readouterr().err
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["lr"] for r in rows if "loss" in r] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0, 0])
