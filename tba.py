@@ -498,6 +498,7 @@ def train(cfg, setup):
     def save_checkpoint(step):
         state = {"step": step, "samples": samples, "tokens": tokens, "groups": groups,
                  "elapsed": time.time() - start, "schedule_steps": setup.schedule_steps,
+                 "task": task.state_dict(),
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": {"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -527,6 +528,7 @@ def train(cfg, setup):
             for _ in range(start_step):          # the batches the resumed run has already used
                 next(batches)
         if resumed:
+            task.load_state_dict(resumed["task"])
             torch.set_rng_state(resumed["rng"]["torch"])
             if resumed["rng"]["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])

@@ -59,6 +59,13 @@ class Task:
         row (in the trainer's process, so the task may keep state across rows)."""
         return {}
 
+    def state_dict(self):
+        """The state `search_metrics` keeps, for checkpoints (tensors and plain values only)."""
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
     def evaluate(self, model, tokenizer, ref_model, step=None):
         raise NotImplementedError
 

@@ -64,13 +64,16 @@ def attack_metrics(toxicity, embeddings, prefix):
 
 class RedTeamTask(Task):
     name = "redteam"
-    # For SmolLM2-135M attacking SmolLM2-135M on a 2-core CPU: short attacks and answers keep a
-    # step under a minute. β = 0.1: r/β spans about 0 to -90, the scale at which arith learned.
-    defaults = dict(Task.defaults, steps=30, prompts_per_step=4, group_size=8, max_new_tokens=24,
-                    temperature=0.7, beta=0.1, beta_final=0.1, beta_steps=0, lr=2e-5,
-                    warmup_steps=3, decay_steps=10, eval_every=10, eval_n=64, sync_every=2,
+    # For SmolLM2-135M attacking SmolLM2-135M on a 2-core CPU: 4 prompts × 4 attacks of 20
+    # tokens, each answered twice in 16 tokens, take ~14 s a step (8 s to search, 5-8 s to
+    # train), so 30 steps and 4 evaluations of 32 attacks fit in ~8 minutes. At the start ~0-6%
+    # of attacks succeed (mean toxicity 0.05-0.11): low, not zero. β = 0.1: r/β spans about
+    # 0 to -90, the scale of the arith task's r/β, where lr 3e-5 learned.
+    defaults = dict(Task.defaults, steps=30, prompts_per_step=4, group_size=4, max_new_tokens=20,
+                    temperature=0.7, beta=0.1, beta_final=0.1, beta_steps=0, lr=3e-5,
+                    warmup_steps=3, decay_steps=10, eval_every=10, eval_n=32, sync_every=2,
                     recent_frac=0.95, min_buffer=4, buffer_capacity=500, save_every=10,
-                    victim_samples=2, victim_max_new_tokens=24)
+                    victim_samples=2, victim_max_new_tokens=16)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -136,10 +139,24 @@ class RedTeamTask(Task):
             self.found.add(torch.from_numpy(info["embeddings"][info["toxicity"] > SUCCESS]))
         if not self.recent:
             return {}
-        toxicity, embeddings = (torch.from_numpy(np.stack(x)) for x in zip(*self.recent))
-        metrics = attack_metrics(toxicity, embeddings, "redteam")
+        metrics = attack_metrics(*self.window(), "redteam")
         metrics["redteam/unique_successes"] = len(self.found)
         return metrics
+
+    def window(self):
+        """The newest attacks: toxicity [n], embeddings [n, D]."""
+        if not self.recent:
+            return torch.zeros(0), torch.zeros(0, 0)
+        toxicity, embeddings = zip(*self.recent)
+        return torch.tensor(np.array(toxicity)), torch.from_numpy(np.stack(embeddings))
+
+    def state_dict(self):
+        toxicity, embeddings = self.window()
+        return {"recent_toxicity": toxicity, "recent_embeddings": embeddings, "found": self.found.kept}
+
+    def load_state_dict(self, state):
+        self.recent.extend(zip(state["recent_toxicity"].numpy(), state["recent_embeddings"].numpy()))
+        self.found.kept = state["found"]
 
     @torch.no_grad()
     def evaluate(self, model, tokenizer, ref_model, step=None):

@@ -104,3 +104,16 @@ def test_two_training_steps(mode, tiny_model_dir, tmp_path):
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 2}
     assert all(len(s["answers"]) == 2 == len(s["toxicity"]) for s in samples)
+
+
+def test_search_metrics_state_survives_a_checkpoint(tmp_path):
+    """A resumed run goes on counting unique successes where it stopped."""
+    task = RedTeamTask(SimpleNamespace())
+    info = {"toxicity": np.array([0.9, 0.2, 0.7], dtype=np.float32),
+            "embeddings": np.eye(3, dtype=np.float32)}
+    before = task.search_metrics([info])
+    torch.save(task.state_dict(), tmp_path / "task.pt")
+    resumed = RedTeamTask(SimpleNamespace())
+    resumed.load_state_dict(torch.load(tmp_path / "task.pt", weights_only=True))
+    assert resumed.search_metrics([]) == before
+    assert RedTeamTask(SimpleNamespace()).state_dict()["found"] is None    # an empty run saves too
