@@ -61,6 +61,14 @@ def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
     return torch.where(available, (logits - logits[available].max()).exp(), 0.0)
 
 
+def shared_bytes(capacity, group_size, max_prompt_len, max_response_len):
+    """Shared memory a ReplayBuffer of this shape takes, to check /dev/shm before making one:
+    per group the prompt and K responses (int32), K lengths, rewards and reference log-probs,
+    and five int64 counters (prompt length, version, prompt index, order, draws)."""
+    K, P, R = group_size, max_prompt_len, max_response_len
+    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4) * K + 5 * 8) + 8
+
+
 class ReplayBuffer:
     _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
                "ref_logp", "version", "prompt_index", "order", "draws")

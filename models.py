@@ -150,6 +150,18 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype=torch.float32, tru
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
+def autocast(device, dtype):
+    """Forward passes in `dtype` (bfloat16, float16) over float32 weights, or plain float32.
+
+    The precision scheme of every process: the trainer's weights, gradients and AdamW moments
+    stay float32 (an update of lr 1e-6 is below bfloat16's resolution of a weight near 1), and
+    matmuls run in `dtype`. Searchers run the same casts, so they sample and score with the
+    same numbers as the trainer. Enter it per forward pass or `generate` call, never around a
+    loop: autocast caches its low-precision copies of the weights until the context exits.
+    """
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def left_pad(sequences, pad_id):
     """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them."""
     width = max(map(len, sequences))

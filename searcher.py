@@ -45,11 +45,17 @@ def prompt_batches(prompts, batch_size, seed):
 
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
-                  temperature, version=0, stop_event=None):
-    """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)"""
-    prompt_ids, prompt_mask, response_ids, response_len = models.generate(
-        policy, tokenizer, [p.ids for p in prompts], num_samples=group_size,
-        max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event)
+                  temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0):
+    """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
+
+    Generation and reference scoring run under the trainer's autocast `dtype`; the reference
+    scores `score_batch` sequences per forward pass (0: all B·K at once).
+    """
+    device = next(policy.parameters()).device
+    with models.autocast(device, dtype):
+        prompt_ids, prompt_mask, response_ids, response_len = models.generate(
+            policy, tokenizer, [p.ids for p in prompts], num_samples=group_size,
+            max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event)
     completions = models.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
     reward, info = task.score(repeated, completions)
@@ -60,8 +66,12 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
         version=torch.full((len(prompts),), version, dtype=torch.long),
         prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long), info=info)
-    batch.ref_logp = sequence_logprobs(ref_model, *group_inputs(batch),
-                                       temperature).view(len(prompts), group_size)
+    inputs = group_inputs(batch)                                               # 3 × [B·K, T]
+    size = score_batch or len(inputs[0])
+    with models.autocast(device, dtype):
+        ref_logp = [sequence_logprobs(ref_model, *(t[s:s + size] for t in inputs), temperature)
+                    for s in range(0, len(inputs[0]), size)]
+    batch.ref_logp = torch.cat(ref_logp).view(len(prompts), group_size)       # [B, K]
     return batch, completions
 
 
@@ -90,6 +100,8 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
         torch.set_num_threads(threads)
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)     # libraries that use "the current GPU" use ours
         task = tasks.make_task(cfg)
         policy, tokenizer = task.load_model(torch.device(device))
         ref_model = copy.deepcopy(policy).requires_grad_(False)
@@ -103,12 +115,15 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
         shard = (train_prompts[rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
                  else train_prompts)
         batches = prompt_batches(shard, cfg.prompts_per_step, seed)
+        # Reference scoring in passes no larger than the trainer's (a no-grad pass needs less).
+        score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
             version = weights.receive(policy, rank, version)
             start = time.time()
             prompts = next(batches)
             batch, _ = sample_groups(policy, ref_model, tokenizer, task, prompts, cfg.group_size,
-                                     cfg.max_new_tokens, cfg.temperature, version, stop)
+                                     cfg.max_new_tokens, cfg.temperature, version, stop,
+                                     getattr(torch, cfg.dtype), score_batch)
             if stop.is_set():                 # generation was cut short: not a real group
                 break
             batch = batch.to("cpu")

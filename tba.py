@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import plot
 import searcher
 import tasks
 import trainer
-from buffer import ReplayBuffer
+from buffer import ReplayBuffer, shared_bytes
 from tasks import scorers
 
 
@@ -57,7 +58,8 @@ TASK_DEFAULT = "(default: the task's choice)"
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
 # runs. Everything else would make the resumed run a different experiment.
 RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
-                    "save_every", "keep_checkpoints", "quiet", "searchers", "device")
+                    "save_every", "keep_checkpoints", "quiet", "searchers", "device",
+                    "micro_groups", "micro_completions", "activation_checkpointing", "dtype")
 
 
 @dataclass
@@ -124,6 +126,17 @@ class Config:
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
                                    f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}",
                              at_least(0))
+    micro_completions: int = flag(0, "at most this many completions per gradient pass, splitting a "
+                                     "group when needed: a no-grad pass scores the whole group "
+                                     "first, so memory stops growing with K (same gradient, one "
+                                     "more forward pass; 0: whole groups)", at_least(0))
+    activation_checkpointing: bool = flag(False, "keep only each decoder layer's input for "
+                                                 "backward and recompute the rest: ~1/3 more "
+                                                 "trainer compute, a fraction of the memory")
+    dtype: str = flag("auto", "precision of forward passes: autocast to bfloat16 or float16 "
+                              "(with loss scaling) over float32 weights and optimiser state, or "
+                              "float32; auto: bfloat16 on GPUs that have it, float32 on CPU",
+                      one_of("auto", "float32", "bfloat16", "float16"))
     max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)", at_least(0))
     # asynchrony
     searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
@@ -244,6 +257,9 @@ def resolve(cfg):
                                       if getattr(cfg, k) is None})
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = ("bfloat16" if cfg.device.startswith("cuda") and torch.cuda.is_available()
+                     and torch.cuda.is_bf16_supported() else "float32")
     if cfg.searchers is None:
         cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
     if not cfg.out:
@@ -315,6 +331,20 @@ def check_out_folder(cfg):
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror}): pass a "
                          "writable folder") from None
+
+
+def check_shared_memory(need, shm="/dev/shm"):
+    """The weight slots and the replay buffer live in /dev/shm. Docker gives a container 64 MB
+    of it, and writing past the end kills a process with a bus error, not a message: so check
+    the space before anything is put there."""
+    if not os.path.isdir(shm):
+        return
+    free = shutil.disk_usage(shm).free
+    if need > free:
+        raise ValueError(f"{shm} has {free / 2**20:.0f} MB free but the weight slots and the "
+                         f"replay buffer need {need / 2**20:.0f} MB: give the container more "
+                         f"(docker run --shm-size={math.ceil(need * 1.5 / 2**30)}g), or lower "
+                         "--buffer-capacity, or run with --searchers 0")
 
 
 def write_json(path, value):
@@ -392,8 +422,9 @@ def placement(cfg):
     return trainer_device, searcher_devices, max(1, cores // (cfg.searchers + 1))
 
 
-def evaluate(task, model, tokenizer, ref_model, step, start, log):
-    metrics = task.evaluate(model, tokenizer, ref_model, step=step)
+def evaluate(task, model, tokenizer, ref_model, step, start, log, dtype):
+    with models.autocast(next(model.parameters()).device, dtype):
+        metrics = task.evaluate(model, tokenizer, ref_model, step=step)
     log.write({"step": step, "time": round(time.time() - start, 3), **metrics})
     tqdm.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics
@@ -421,10 +452,11 @@ class Setup:
     task: tasks.Task
     policy: torch.nn.Module
     tokenizer: object
-    ref_model: torch.nn.Module        # the frozen initial policy
+    ref_model: torch.nn.Module | None  # the frozen initial policy, if the trainer needs it
     prompts: list                     # the training prompts
     optimizer: torch.optim.Optimizer
     scheduler: object
+    scaler: torch.amp.GradScaler      # loss scaling, on with --dtype float16 only
     schedule_steps: int               # the lr schedule's length: the run's first --steps
     resumed: dict | None              # the checkpoint's trainer state, on --resume
     buffer: ReplayBuffer | None       # asynchronous runs only; a checkpoint's groups on --resume
@@ -441,9 +473,19 @@ def load(cfg):
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(device)
-    ref_model = copy.deepcopy(policy).requires_grad_(False)
+    trainer.check_output_layer(policy)
+    if cfg.activation_checkpointing:
+        trainer.enable_activation_checkpointing(policy)
+    # Searchers score the reference log-probs themselves: then the trainer needs a reference
+    # copy only if the task's evaluation does.
+    ref_model = (copy.deepcopy(policy).requires_grad_(False)
+                 if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
+    if cfg.searchers:
+        check_shared_memory(trainer.WeightChannel.bytes_needed(policy)
+                            + shared_bytes(cfg.buffer_capacity, cfg.group_size,
+                                           max(len(p.ids) for p in prompts), cfg.max_new_tokens))
     resumed = buffer_state = None
     if cfg.resume:
         latest = checkpoint.latest(cfg.out)
@@ -453,9 +495,12 @@ def load(cfg):
     schedule_steps = resumed["schedule_steps"] if resumed else cfg.steps
     optimizer, scheduler = trainer.make_optimizer(policy, cfg.lr, schedule_steps,
                                                   cfg.warmup_steps, cfg.decay_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     if resumed:
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
+        if resumed.get("scaler"):
+            scaler.load_state_dict(resumed["scaler"])
     buffer = None
     if cfg.searchers:
         buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, max(len(p.ids) for p in prompts),
@@ -468,7 +513,7 @@ def load(cfg):
                     f"{latest / 'buffer.pt'} is invalid ({e}): delete {latest} to resume from "
                     "the checkpoint before it") from None
     return Setup(device, searcher_devices, threads, task, policy, tokenizer, ref_model, prompts,
-                 optimizer, scheduler, schedule_steps, resumed, buffer)
+                 optimizer, scheduler, scaler, schedule_steps, resumed, buffer)
 
 
 class RunFailed(Exception):
@@ -480,6 +525,7 @@ def train(cfg, setup):
     that searcher processes fill while the trainer learns. `setup` comes from `load(cfg)`."""
     task, policy, tokenizer, ref_model = setup.task, setup.policy, setup.tokenizer, setup.ref_model
     optimizer, scheduler, resumed, buffer = setup.optimizer, setup.scheduler, setup.resumed, setup.buffer
+    dtype = getattr(torch, cfg.dtype)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", run_record(cfg, setup.device, setup.searcher_devices,
@@ -500,6 +546,7 @@ def train(cfg, setup):
                  "elapsed": time.time() - start, "schedule_steps": setup.schedule_steps,
                  "task": task.state_dict(),
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "scaler": setup.scaler.state_dict(),
                  "rng": {"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                          "sampler": sampler.get_state() if pool else None}}
@@ -516,8 +563,6 @@ def train(cfg, setup):
                 tqdm.write(f"note: the learning-rate schedule was set for {setup.schedule_steps} "
                            f"steps; steps past them train at lr {scheduler.get_last_lr()[0]:.3g} "
                            "and below", file=sys.stderr)
-        else:
-            metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log)
         if cfg.searchers:
             weights = trainer.WeightChannel(policy, cfg.searchers, mp.get_context("spawn"))
             weights.publish(policy, version=start_step)
@@ -525,8 +570,11 @@ def train(cfg, setup):
             sampler = torch.Generator().manual_seed(cfg.seed)
         else:
             batches = searcher.prompt_batches(setup.prompts, cfg.prompts_per_step, cfg.seed)
+            score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
             for _ in range(start_step):          # the batches the resumed run has already used
                 next(batches)
+        if not resumed:                          # the searchers fill the buffer meanwhile
+            metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log, dtype)
         if resumed:
             task.load_state_dict(resumed["task"])
             torch.set_rng_state(resumed["rng"]["torch"])
@@ -556,14 +604,16 @@ def train(cfg, setup):
                 t0 = time.time()
                 batch, _ = searcher.sample_groups(policy, ref_model, tokenizer, task, next(batches),
                                                   cfg.group_size, cfg.max_new_tokens,
-                                                  cfg.temperature, version)
+                                                  cfg.temperature, version, dtype=dtype,
+                                                  score_batch=score_batch)
                 search_s = time.time() - t0
                 tokens += int(batch.response_len.sum())
                 groups += len(batch.version)
             lr = scheduler.get_last_lr()[0]
             t0 = time.time()
             stats = trainer.train_step(policy, optimizer, scheduler, batch, beta, cfg.loss,
-                                       cfg.temperature, cfg.micro_groups, cfg.max_grad_norm)
+                                       cfg.temperature, cfg.micro_groups, cfg.max_grad_norm,
+                                       cfg.micro_completions, dtype, setup.scaler)
             train_s = time.time() - t0
             if pool and step % cfg.sync_every == 0:
                 t0 = time.time()
@@ -598,7 +648,7 @@ def train(cfg, setup):
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
                 save_checkpoint(step)                 # the last step's is written below
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                metrics = evaluate(task, policy, tokenizer, ref_model, step, start, log)
+                metrics = evaluate(task, policy, tokenizer, ref_model, step, start, log, dtype)
         save_checkpoint(cfg.steps)
         checkpoint.save_pretrained(policy, tokenizer, out / "final")
     except KeyboardInterrupt:

@@ -8,8 +8,20 @@ import math
 import queue
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+import models
 from buffer import GroupBatch
+
+
+def token_logprobs(head, hidden, targets, temperature):
+    """log p(target) at each position from the decoder's last hidden states.      -> [N, c]
+
+    hidden: [N, c, H], targets: [N, c]. Float32 from the logits on, whatever the model's dtype.
+    """
+    logits = head(hidden).float() / temperature                              # [N, c, V]
+    chosen = logits.gather(-1, targets[..., None]).squeeze(-1)               # [N, c]
+    return chosen - torch.logsumexp(logits, dim=-1)                          # [N, c]
 
 
 def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=1.0,
@@ -21,26 +33,61 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
     prompt or the padding. Prompts may be left-padded, so position ids are built from the mask;
     otherwise the model would see different positions than it did while generating.
 
-    Memory: the model only computes logits for the positions from the first response token on
-    (`logits_to_keep`), and the log-softmax is taken `chunk_size` positions at a time, so no
-    float32 [N, T, vocab] tensor ever exists.
+    Memory: the decoder's hidden states go through the output layer `chunk_size` positions at a
+    time, and when gradients are on each chunk runs under activation checkpointing, so only the
+    [N, c, H] hidden states are kept for backward (SmolLM2 has 49,152 logits per token against
+    576 hidden values): no [N, T, vocab] tensor ever exists, and no chunk's logits outlive their
+    chunk. The log-probs are float32 whatever the model's dtype. This needs
+    the output layer to be a plain map of the last hidden state (`check_output_layer`).
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)        # [N, T]
     first = int(response_mask.float().argmax(-1).min()) if response_mask.any() else 1
-    first = max(first, 1)                  # token t is predicted by the logits at t - 1
-    keep = input_ids.shape[1] - first + 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=keep, use_cache=False).logits                # [N, keep, V]
-    logits = logits[:, :-1]                                                    # [N, keep-1, V]
-    targets = input_ids[:, first:]                                             # [N, keep-1]
-    mask = response_mask[:, first:].float()                                   # [N, keep-1]
+    first = max(first, 1)                  # token t is predicted by the hidden state at t - 1
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[:, first - 1:-1]                                           # [N, T-first, H]
+    targets = input_ids[:, first:]                                             # [N, T-first]
+    mask = response_mask[:, first:].float()                                   # [N, T-first]
+    head = model.get_output_embeddings()
     total = torch.zeros(input_ids.shape[0], device=input_ids.device, dtype=torch.float32)
     for s in range(0, targets.shape[1], chunk_size):
-        chunk = logits[:, s:s + chunk_size].float() / temperature              # [N, c, V]
-        chosen = chunk.gather(-1, targets[:, s:s + chunk_size, None]).squeeze(-1)   # [N, c]
-        token_logp = chosen - torch.logsumexp(chunk, dim=-1)                   # [N, c]
+        args = (head, hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size], temperature)
+        if torch.is_grad_enabled():        # recompute this chunk's logits during backward
+            token_logp = checkpoint(token_logprobs, *args, use_reentrant=False)   # [N, c]
+        else:
+            token_logp = token_logprobs(*args)                                 # [N, c]
         total = total + (token_logp * mask[:, s:s + chunk_size]).sum(-1)
     return total                                                               # [N]
+
+
+def check_output_layer(model):
+    """`sequence_logprobs` applies the output layer to the decoder's hidden states itself. Check,
+    once at load time, that this gives the model's own logits: models that post-process them
+    (soft-capping, scaling) would be trained on a different distribution than they sample."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+    with torch.no_grad():
+        own = model(input_ids=ids, use_cache=False).logits.float()
+        ours = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state)
+    if not torch.allclose(own, ours.float(), rtol=1e-3, atol=1e-3):
+        raise ValueError(f"{type(model).__name__} post-processes its output layer's logits "
+                         "(e.g. soft-capping), which tba's memory-saving log-probs do not "
+                         "reproduce: use a model whose logits are lm_head(last hidden state)")
+
+
+def enable_activation_checkpointing(model):
+    """Keep only each decoder layer's input for backward and recompute the layer's activations
+    then: about a third more compute for a fraction of the memory. HF checkpoints only in
+    training mode, which `train_step` turns on for its passes; training mode would also turn on
+    dropout, so a model that has any is refused (SmolLM2 and Llama have none)."""
+    dropouts = [f"{name}: p={m.p}" for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if getattr(model.config, "attention_dropout", 0):        # Llama-style: not a module
+        dropouts.append(f"attention_dropout={model.config.attention_dropout}")
+    if dropouts:
+        raise ValueError(f"--activation-checkpointing runs the model in training mode, which would "
+                         f"turn on its dropout ({', '.join(dropouts)}): set it to 0 in the model's "
+                         "config, or train without --activation-checkpointing")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tb_loss(logp, ref_logp, reward, beta):
@@ -129,42 +176,68 @@ class NonFiniteError(ArithmeticError):
 
 
 def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", temperature=1.0,
-               micro_groups=None, max_grad_norm=None):
-    """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups.
+               micro_groups=None, max_grad_norm=None, micro_completions=0, dtype=torch.float32,
+               scaler=None):
+    """One optimiser step on B groups, accumulating gradients over micro-batches.
 
-    Splitting by whole groups keeps each log Ẑ a mean over its own K completions, so the
-    accumulated gradient equals the gradient of the full-batch loss exactly. The model stays in
-    eval mode: dropout would make the trained log-probs differ from the sampled ones.
+    Micro-batches of whole groups (`micro_groups`) keep each log Ẑ a mean over its own K
+    completions, so the accumulated gradient equals the gradient of the full-batch loss exactly.
+    A micro-batch larger than `micro_completions` sequences is split further: a no-grad pass
+    scores all its completions, then each gradient pass takes `micro_completions` of them with
+    the others held at their no-grad values. Since ∇θ L = Σ_i ∂L/∂logp_i · ∇θ logp_i and every
+    ∂L/∂logp_i is taken at the same point, the passes add up to the whole-group gradient: one
+    extra forward pass buys a memory that no longer grows with K.
+    Forward passes run under autocast to `dtype` over the float32 weights (see `models.autocast`);
+    `scaler` (a GradScaler) scales float16 losses, whose small gradients would underflow.
+    The model stays in eval mode: dropout would make the trained log-probs differ from the
+    sampled ones. Activation checkpointing is the exception, as HF only runs it in training mode
+    (`enable_activation_checkpointing` makes sure the model has no dropout to turn on).
     A NaN or infinite loss or gradient norm raises NonFiniteError *before* the optimiser step:
     one such update would turn every weight into NaN, and the searchers would sample from it.
     """
     device = next(model.parameters()).device
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     batch = batch.to(device)
     b, k = batch.reward.shape
     micro_groups = micro_groups or b
     loss_fn = LOSSES[loss]
     optimizer.zero_grad(set_to_none=True)
+    model.train(model.is_activation_checkpointing)
     total_loss, logps, log_zs = 0.0, [], []
-    for start in range(0, b, micro_groups):
-        part = slice(start, min(start + micro_groups, b))
-        n = part.stop - part.start
-        input_ids, attention_mask, response_mask = group_inputs(batch, part)
-        logp = sequence_logprobs(model, input_ids, attention_mask, response_mask,
-                                 temperature).view(n, k)                      # [n, K]
-        out = loss_fn(logp, batch.ref_logp[part], batch.reward[part], beta)
-        part_loss, log_z = out if isinstance(out, tuple) else (out, None)
-        (part_loss * n / b).backward()
-        total_loss += part_loss.item() * n / b
-        logps.append(logp.detach())
-        if log_z is not None:
-            log_zs.append(log_z)
+    try:
+        for start in range(0, b, micro_groups):
+            part = slice(start, min(start + micro_groups, b))
+            n = part.stop - part.start
+            inputs = group_inputs(batch, part)                                 # 3 × [n·K, T]
+            size = micro_completions if 0 < micro_completions < n * k else n * k
+            if size < n * k:
+                with torch.no_grad(), models.autocast(device, dtype):
+                    held = sequence_logprobs(model, *inputs, temperature)     # [n·K]
+            for s in range(0, n * k, size):
+                with models.autocast(device, dtype):
+                    logp = sequence_logprobs(model, *(t[s:s + size] for t in inputs),
+                                             temperature)                      # [size]
+                if size < n * k:
+                    logp = torch.cat([held[:s], logp, held[s + size:]])       # [n·K]
+                out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta)
+                part_loss, log_z = out if isinstance(out, tuple) else (out, None)
+                scaler.scale(part_loss * n / b).backward()
+            total_loss += part_loss.item() * n / b
+            logps.append(logp.detach().view(n, k))
+            if log_z is not None:
+                log_zs.append(log_z)
+    finally:
+        model.eval()
+    scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_grad_norm if max_grad_norm else math.inf)
-    if not (math.isfinite(total_loss) and math.isfinite(grad_norm.item())):
+    overflow = not math.isfinite(grad_norm.item())    # float16: the scaler skips this step
+    if not math.isfinite(total_loss) or (overflow and not scaler.is_enabled()):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(f"the loss is {total_loss:.4g} and the gradient norm "
                              f"{grad_norm.item():.4g}; the update was not applied")
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
     scheduler.step()
     logp = torch.cat(logps)                                                    # [B, K]
     return {
@@ -173,6 +246,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", 
         "kl": (logp - batch.ref_logp).mean().item(),
         "reward_mean": batch.reward.mean().item(),
         "grad_norm": grad_norm.item(),
+        **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
 
 
@@ -189,18 +263,28 @@ class WeightChannel:
     """
 
     def __init__(self, model, n_readers, ctx):
-        state = model.state_dict()
-        # Tied weights (embedding = output layer) appear under two names: ship them once.
-        seen = set()
-        self.names = [k for k, v in state.items()
-                      if v.data_ptr() not in seen and not seen.add(v.data_ptr())]
-        state = {k: state[k] for k in self.names}
+        state = self.shipped_state(model)
+        self.names = list(state)
         self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
                       for _ in range(2)]
         self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
         self.locks = [ctx.Lock() for _ in range(2)]
         self.queues = [ctx.Queue() for _ in range(n_readers)]
         self.publishes = 0                          # trainer side only: which slot is next
+        self.staging = None                         # trainer side, CUDA only: pinned copies
+
+    @staticmethod
+    def shipped_state(model):
+        """The state dict without repeats: tied weights (embedding = output layer) appear under
+        two names but are shipped once."""
+        seen = set()
+        return {k: v for k, v in model.state_dict().items()
+                if v.data_ptr() not in seen and not seen.add(v.data_ptr())}
+
+    @classmethod
+    def bytes_needed(cls, model):
+        """Shared memory of the two slots."""
+        return 2 * sum(v.numel() * v.element_size() for v in cls.shipped_state(model).values())
 
     @torch.no_grad()
     def publish(self, model, version):
@@ -208,18 +292,28 @@ class WeightChannel:
         slot = self.publishes % 2
         self.publishes += 1
         state = model.state_dict()
+        if next(model.parameters()).is_cuda:
+            # GPU → pinned host memory is one fast DMA per tensor; the slot's lock is then held
+            # only for host-to-host copies.
+            if self.staging is None:
+                self.staging = {name: torch.empty_like(state[name], device="cpu").pin_memory()
+                                for name in self.names}
+            for name in self.names:
+                self.staging[name].copy_(state[name], non_blocking=True)
+            torch.cuda.synchronize()
+            state = self.staging
         with self.locks[slot]:
             for name in self.names:
                 self.slots[slot][name].copy_(state[name])
             self.slot_version[slot] = version
-        for queue in self.queues:
-            queue.put((version, slot))
+        for note_queue in self.queues:
+            note_queue.put((version, slot))
 
     def close(self):
         """Trainer side, at shutdown: unread notes are dropped instead of blocking the exit."""
-        for queue_ in self.queues:
-            queue_.close()
-            queue_.cancel_join_thread()
+        for note_queue in self.queues:
+            note_queue.close()
+            note_queue.cancel_join_thread()
 
     @torch.no_grad()
     def receive(self, model, reader, current_version, block=False):

@@ -27,6 +27,8 @@ class Task:
     """Base class. Subclasses set `name`, override `defaults` and implement the three methods."""
 
     name = ""
+    # Does `evaluate` use the reference model? If not, an asynchronous trainer keeps no copy.
+    eval_needs_reference = False
     # Config fields a task chooses when the user leaves them unset (None on the command line).
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,

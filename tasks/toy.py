@@ -86,6 +86,7 @@ def exact_logprobs(model, tokenizer, prompt, completions, temperature):
 
 class ToyTask(Task):
     name = "toy"
+    eval_needs_reference = True       # the exact target p* is built from p_ref
     # β starts high, where p* is close to p_ref and every mode is easy to reach, and is annealed
     # to its final value: at a fixed small β on-policy TB tends to lock onto some modes and lose
     # the others (its on-policy gradient is that of the mode-seeking KL(p_θ || p*)).

@@ -247,3 +247,15 @@ def test_interrupt_stops_cleanly(tmp_path):
         assert len(rows(out / "metrics.jsonl")[0]) >= 5
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_trainer_keeps_no_reference_copy_when_searchers_score_it(tiny_model_dir, tmp_path):
+    """With searchers the reference log-probs come in the buffer: the trainer holds a frozen
+    copy only for the synchronous loop or a task whose evaluation needs it (the toy's exact p*)."""
+    def setup(*args):
+        cfg, _ = tba.parse_args([*args, "--out", str(tmp_path / "run")])
+        return tba.load(tba.resolve(cfg))
+    arith = ["--task", "arith", "--model", str(tiny_model_dir)]
+    assert setup(*arith, "--searchers", "1").ref_model is None
+    assert setup(*arith, "--searchers", "0").ref_model is not None
+    assert setup("--task", "toy", "--searchers", "1").ref_model is not None

@@ -10,11 +10,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import checkpoint
+import models
 import tba
 import trainer
-from buffer import GroupBatch
+from buffer import GroupBatch, ReplayBuffer, shared_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
@@ -70,6 +72,8 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--lr", "inf"], "--lr must be greater than 0 (got inf)"),
     (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0"),    # gradient ascent
     (["--micro-groups", "-1"], "--micro-groups must be at least 0"),
+    (["--micro-completions", "-1"], "--micro-completions must be at least 0"),
+    (["--dtype", "float8"], "--dtype must be one of auto, float32, bfloat16, float16"),
     (["--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
     (["--eval-n", "-5"], "--eval-n must be at least 0"),
     (["--searchers", "-1"], "--searchers must be at least 0"),
@@ -93,6 +97,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--out", "INPUTS/a_file"], "a_file is a file: pass a folder"),
     (["--out", "INPUTS/a_file/run"], "a_file is a file, not a folder"),
     (["--out", "/sys/tba-run"], "--out /sys/tba-run: cannot write in /sys"),
+    (["--buffer-capacity", "100000000"], "/dev/shm has"),     # 1.6 TB of shared memory
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, toy_model_and_data, tmp_path, capsys):
     args = [a.replace("INPUTS", str(toy_model_and_data)) for a in args]
@@ -261,3 +266,26 @@ def test_resume_continues_the_original_schedule(tmp_path, capsys):
     assert "note: the learning-rate schedule was set for 4 steps" in capsys.readouterr().err
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["lr"] for r in rows if "loss" in r] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0, 0])
+
+
+def test_shared_memory_estimate_is_what_the_buffer_and_the_weights_take(tiny_model_dir):
+    """`check_shared_memory` is only as good as these two sums."""
+    buffer = ReplayBuffer(7, 3, 5, 11)
+    tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
+    assert shared_bytes(7, 3, 5, 11) == sum(t.numel() * t.element_size() for t in tensors)
+    model, _ = models.load_model(tiny_model_dir)
+    weights = trainer.WeightChannel(model, 1, mp.get_context("spawn"))
+    assert trainer.WeightChannel.bytes_needed(model) == sum(
+        t.numel() * t.element_size() for slot in weights.slots for t in slot.values())
+    weights.close()
+
+
+def test_float16_loss_scale_survives_a_resume(tmp_path):
+    """--dtype float16 trains with a GradScaler, whose scale is part of the checkpoint."""
+    run = tmp_path / "run"
+    assert tba.main([*TOY, "--dtype", "float16", "--steps", "2", "--out", str(run)]) == 0
+    saved = torch.load(run / "checkpoints" / "step_2" / "trainer.pt", weights_only=False)
+    assert saved["scaler"]["scale"] > 0
+    assert tba.main(["--resume", str(run), "--steps", "3"]) == 0
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "grad_scale" in r] == [1, 2, 3]

@@ -15,7 +15,7 @@ import tba
 import tasks
 from tasks import Prompt
 from tasks.answers import AnswerTask, answers_match, extract_answer
-from tasks.arith import ArithTask, make_splits
+from tasks.arith import make_splits
 from tasks.gsm8k import Gsm8kTask, load_gsm8k
 
 REPO = Path(__file__).resolve().parents[1]

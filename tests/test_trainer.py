@@ -8,8 +8,8 @@ from transformers import GenerationConfig
 import models
 from buffer import GroupBatch
 from tasks.toy import build_model, build_tokenizer
-from trainer import (beta_at, group_inputs, make_optimizer, rloo_loss, sequence_logprobs,
-                     tb_loss, train_step, wsd_factor)
+from trainer import (beta_at, check_output_layer, enable_activation_checkpointing, group_inputs,
+                     make_optimizer, rloo_loss, sequence_logprobs, tb_loss, train_step, wsd_factor)
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +192,114 @@ def test_tb_and_rloo_take_the_same_clipped_step(toy):
     start = torch.cat([p.flatten() for p in model.parameters()])
     assert (params["tb"] - start).abs().max() > 0.5e-2
     assert (params["tb"] - params["rloo"]).abs().max() < 0.01 * 1e-2
+
+
+def full_logits_logprobs(model, input_ids, attention_mask, response_mask, temperature):
+    """The textbook computation: all [N, T, V] logits, log-softmax, pick the sampled tokens."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids).logits[:, :-1].float() / temperature
+    token_logp = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return (token_logp * response_mask[:, 1:]).sum(-1)
+
+
+def test_chunked_logprobs_match_the_full_logits_and_their_gradient(toy):
+    """The output layer in checkpointed chunks of 3 positions gives the same values and the same
+    gradient as the [N, T, V] logits it never builds."""
+    model, tokenizer = toy
+    batch = sampled_batch(model, tokenizer, model, temperature=0.8)
+    inputs = group_inputs(batch)
+    params = list(model.parameters())
+    ours = sequence_logprobs(model, *inputs, temperature=0.8, chunk_size=3)
+    reference = full_logits_logprobs(model, *inputs, temperature=0.8)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(ours)                  # any linear function of the log-probs
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])
+    torch.testing.assert_close(flat(torch.autograd.grad((weights * ours).sum(), params)),
+                               flat(torch.autograd.grad((weights * reference).sum(), params)),
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["tb", "rloo"])
+def test_split_groups_and_checkpointing_give_the_whole_group_step(toy, loss):
+    """K = 6 completions per group, trained whole, split into passes of 1, 4 (uneven) and 5
+    completions, and with activation checkpointing: one and the same SGD step."""
+    model, tokenizer = toy
+    policy = copy.deepcopy(model)
+    with torch.no_grad():                       # away from the reference: KL terms are non-zero
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = sampled_batch(policy, tokenizer, model)
+    start = torch.cat([p.flatten() for p in policy.parameters()])
+    steps = {}
+    for name, micro_completions, checkpointing in [("whole", 0, False), ("1", 1, False),
+                                                    ("4", 4, False), ("5+ckpt", 5, True)]:
+        trained = copy.deepcopy(policy)
+        if checkpointing:
+            enable_activation_checkpointing(trained)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        stats = train_step(trained, optimizer, scheduler, batch, 0.5, loss, micro_groups=1,
+                           micro_completions=micro_completions)
+        assert trained.is_activation_checkpointing == checkpointing
+        assert not trained.training                     # back in eval mode for sampling
+        steps[name] = (stats, torch.cat([p.flatten() for p in trained.parameters()]) - start)
+    whole_stats, whole_step = steps.pop("whole")
+    assert whole_step.abs().max() > 1e-4
+    for name, (stats, step) in steps.items():
+        assert stats["loss"] == pytest.approx(whole_stats["loss"], rel=1e-5), name
+        torch.testing.assert_close(step, whole_step, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_activation_checkpointing_refuses_a_model_with_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=10, n_positions=8, n_embd=8, n_layer=1,
+                                       n_head=2, resid_pdrop=0.1))
+    with pytest.raises(ValueError, match="dropout.*p=0.1"):
+        enable_activation_checkpointing(model)
+
+
+def test_a_model_that_post_processes_its_logits_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    config = Gemma2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                          final_logit_softcapping=0.5)
+    with pytest.raises(ValueError, match="post-processes its output layer"):
+        check_output_layer(Gemma2ForCausalLM(config).eval())
+
+
+def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
+    """Searchers sample under the same autocast as the trainer scores: the log-probs of what was
+    sampled agree with the trainer's to rounding. Tolerance: bfloat16 keeps 8 significant bits,
+    so each logit carries an error of up to 2^-9 of its size; a token's log-prob (its logit minus
+    the log-sum-exp) up to twice that, summed over the tokens. Float32 against bfloat16 is held
+    to the same bound: that is the price of --dtype bfloat16, measured on SmolLM2-135M at
+    ~0.03 nats per token (0.25 over 12 tokens)."""
+    model, tokenizer = models.load_model(tiny_model_dir)
+    with torch.no_grad():                       # logits of a realistic size (~±10), not ~±0.1
+        model.lm_head.weight.mul_(100)
+    prompts = [tokenizer("What is 2+3?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
+    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, num_return_sequences=3, min_new_tokens=10,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    with models.autocast("cpu", torch.bfloat16):
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                             output_scores=True, return_dict_in_generate=True)
+    response = out.sequences[:, ids.shape[1]:]                                  # [6, 10]
+    scores = torch.stack(out.scores, 1).float()                                 # [6, 10, V]
+    sampled = scores.log_softmax(-1).gather(-1, response[..., None]).squeeze(-1).sum(-1)
+    prompt_mask = mask.repeat_interleave(3, 0)
+    inputs = (torch.cat([ids.repeat_interleave(3, 0), response], 1),
+              torch.cat([prompt_mask, torch.ones_like(response)], 1),
+              torch.cat([torch.zeros_like(prompt_mask), torch.ones_like(response)], 1))
+    with torch.no_grad():
+        with models.autocast("cpu", torch.bfloat16):
+            scored = sequence_logprobs(model, *inputs)
+        float32 = sequence_logprobs(model, *inputs)
+    bound = response.shape[1] * 2 * scores.abs().max() * 2 ** -9
+    assert scores.abs().max() > 5
+    assert (sampled - scored).abs().max() <= bound
+    assert (float32 - scored).abs().max() <= bound
+    assert (float32 - scored).abs().max() > 0        # bfloat16 was really used
