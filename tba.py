@@ -70,14 +70,15 @@ class Config:
     model: str = flag("", "hub id, local HF folder or .gguf file (default: the task's model, "
                           f"{models.DEFAULT_MODEL} for language tasks)")
     trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
-    data_dir: str = flag("", "gsm8k: folder holding train.jsonl and test.jsonl (default: "
-                             "../shared/data/gsm8k when it exists, else the hub's openai/gsm8k)")
-    prompt_style: str = flag("auto", "math tasks: chat (the tokenizer's chat template) or plain "
-                                     "('[MATH TASK] Problem: ...'); auto: chat when the "
-                                     "tokenizer has a chat template", one_of("auto", "chat", "plain"))
-    max_prompt_len: int = flag(512, "math tasks: skip (and count) prompts longer than this, "
+    data_dir: str = flag("", "gsm8k, summarize, tldr: folder holding train.jsonl and test.jsonl "
+                             "(gsm8k default: ../shared/data/gsm8k when it exists, else the "
+                             "hub's openai/gsm8k)")
+    prompt_style: str = flag("auto", "language tasks: chat (the tokenizer's chat template) or "
+                                     "plain ('[MATH TASK] Problem: ...', '...\\nTL;DR:'); auto: "
+                                     "chat when the tokenizer has a chat template", one_of("auto", "chat", "plain"))
+    max_prompt_len: int = flag(512, "language tasks: skip prompts longer than this, "
                                     "in tokens", at_least(1))
-    eval_batch_size: int = flag(16, "math tasks: prompts per batch of greedy evaluation",
+    eval_batch_size: int = flag(16, "prompts per batch of evaluation",
                                 at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
                                    "at --temperature and log their mean reward as "
@@ -88,6 +89,15 @@ class Config:
     arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}", within(1, 20))
     arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}",
                           ((lambda v: v and set(v) <= set("+-*")), "made of + - *"))
+    dataset: str = flag(None, "summarize, tldr: aclsum (packaged), or a hub dataset of prompt "
+                              "and completion (or label) rows, e.g. trl-lib/tldr; --data-dir "
+                              f"takes local jsonl files instead {TASK_DEFAULT}")
+    reward_model: str = flag("similarity", "summarize, tldr: similarity (a stand-in: MiniLM "
+                                           "cosine to the reference, minus a length term), or a "
+                                           "hub id or folder of a one-output sequence classifier, "
+                                           "e.g. cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
+    judge_model: str = flag("", "summarize, tldr: scores eval/win_rate (default: --reward-model; "
+                                "the paper judges with a larger 'gold' reward model)")
     victim_model: str = flag("", "redteam: the frozen chatbot that answers each attack: hub id, "
                                  f"local HF folder or .gguf file (default: {models.DEFAULT_MODEL})")
     victim_samples: int = flag(None, f"redteam: answers per attack {TASK_DEFAULT}", at_least(1))

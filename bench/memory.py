@@ -1,64 +1,201 @@
-"""Peak resident memory of a real run, all processes, next to what the weights need.
+"""Memory: of a whole run, of one trainer step per memory option, and predicted for a big model.
 
-    python bench/memory.py [-- tba.py flags]       # default: 2 steps of GSM8K, one searcher
+    python bench/memory.py run [-- tba.py flags]   # default: 2 steps of GSM8K, one searcher
+    python bench/memory.py step [--repo DIR]       # one GSM8K-sized trainer step per option
+    python bench/memory.py predict                 # the paper's recipe on a 1.1B Llama
 
-Samples the resident memory (RSS) of the trainer and every child process every 0.2 s and
-reports the peak of their sum and of each process. For comparison: the policy's weights,
-gradients and AdamW's two moments (4 × parameters × 4 bytes, float32) plus the frozen
-reference model, all in the trainer, and policy + reference in each searcher.
+`run` samples the resident memory (RSS) of the trainer and every child process every 0.2 s and
+reports the peak of their sum and of each process, and the mean trainer step time.
+
+`step` times one trainer step of SmolLM2-135M on a GSM8K-sized group (K = 8 completions of 200
+prompt + 256 response tokens, random ids) under each memory option, each in a fresh process,
+and reports the peak RSS above the trainer's state (weights, gradients, AdamW moments): the
+activations and temporaries of the step. `--repo DIR` runs the plain step of another checkout
+(e.g. a `git worktree` of an older commit) for a before/after row.
+
+`predict` builds models of the paper's 1.1B Llama shape (TinyLlama: 22 layers, hidden 2048, MLP
+5632, 32 heads, 4 KV heads, vocab 32000) with random weights and 1 and 2 layers, measures the
+step's extra memory per trained token with 1 and 2 sequences of 700 tokens, fits
+extra = tokens · (a + b · layers), and predicts the trainer's peak for the recipe (one pass of
+`micro` sequences of 700 tokens over all 22 layers) plus its state: float32 weights, gradients
+and two AdamW moments (16 bytes per parameter) and, under autocast, the cached 16-bit copy of
+the weights (2 bytes per parameter); no reference model, as searchers score it.
+Assumptions: memory grows linearly with the tokens of a pass (on a GPU SDPA uses flash or
+memory-efficient attention, which keep no [T, T] scores: so does PyTorch's CPU SDPA here), and
+a CUDA caching allocator adds little beyond the live tensors (keep ~10% headroom).
 """
+import argparse
+import ctypes
+import json
+import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import models  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
-# Issue 4's check that GSM8K runs on this machine; on a CPU it starts one searcher.
-DEFAULT = ["--task", "gsm8k", "--data-dir", "../shared/data/gsm8k", "--steps", "2", "--eval-n", "16"]
+RUN_DEFAULT = ["--task", "gsm8k", "--data-dir", "../shared/data/gsm8k", "--steps", "2",
+               "--eval-n", "16"]
 GB = 1024 ** 3
+# name -> (--activation-checkpointing, --micro-completions, --dtype)
+OPTIONS = {"float32": (False, 0, "float32"),
+           "float32 + checkpointing": (True, 0, "float32"),
+           "float32 + checkpointing + micro-completions 2": (True, 2, "float32"),
+           "bfloat16": (False, 0, "bfloat16"),
+           "bfloat16 + checkpointing": (True, 0, "bfloat16")}
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+LLAMA_1B_LAYERS, RECIPE_TOKENS = 22, 700      # ~190 prompt + 512 new tokens
 
 
-def main():
-    flags = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else DEFAULT
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux: KiB
+
+
+def measure_step(model, option, sequences, prompt_len, response_len, steps):
+    """Warm up (AdamW allocates its moments), release freed memory to the OS, then time `steps`
+    trainer steps. -> (seconds per step, peak RSS above the state in bytes)"""
+    import torch
+    import trainer
+    from buffer import GroupBatch
+    checkpointing, micro_completions, dtype = option
+    if checkpointing:
+        trainer.enable_activation_checkpointing(model)
+    k, vocab = sequences, model.config.vocab_size
+    batch = GroupBatch(prompt_ids=torch.randint(3, vocab, (1, prompt_len)),
+                       prompt_mask=torch.ones(1, prompt_len, dtype=torch.long),
+                       response_ids=torch.randint(3, vocab, (1, k, response_len)),
+                       response_len=torch.full((1, k), response_len),
+                       reward=torch.randn(1, k), ref_logp=torch.zeros(1, k),
+                       version=torch.zeros(1, dtype=torch.long), prompt_index=torch.zeros(1, dtype=torch.long))
+    optimizer, scheduler = trainer.make_optimizer(model, 1e-6, 100, 0, 0)
+    extra = {} if option == OPTIONS["float32"] else dict(       # the old train_step has none
+        micro_completions=micro_completions, dtype=getattr(torch, dtype))
+    trainer.train_step(model, optimizer, scheduler, batch, 0.05, "tb", 1.0, None, 1.0, **extra)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    state = rss()
+    start = time.time()
+    for _ in range(steps):
+        trainer.train_step(model, optimizer, scheduler, batch, 0.05, "tb", 1.0, None, 1.0, **extra)
+    return (time.time() - start) / steps, peak_rss() - state
+
+
+def child(args):
+    """One measurement in this fresh process; prints a JSON line."""
+    sys.path.insert(0, args.repo)
+    import torch
+    torch.manual_seed(0)
+    if args.what == "step":
+        import models
+        model, _ = models.load_model(models.DEFAULT_MODEL)
+        seconds, extra = measure_step(model, OPTIONS[args.option], 8, 200, 256, steps=2)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=args.layers, **LLAMA_1B)).eval()
+        seconds, extra = measure_step(model, OPTIONS[args.option], args.sequences, 190,
+                                      RECIPE_TOKENS - 190, steps=1)
+    print(json.dumps({"seconds": seconds, "extra": extra}))
+
+
+def in_fresh_process(*args, repo=REPO):
+    out = subprocess.run([sys.executable, __file__, "_child", "--repo", str(repo), *map(str, args)],
+                         cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"error: the measurement {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(flags):
+    import psutil
     out = REPO / "runs" / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"
-    proc = subprocess.Popen([sys.executable, "tba.py", *flags, "--out", str(out)], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "tba.py", *flags, "--quiet", "--out", str(out)],
+                            cwd=REPO)
     root = psutil.Process(proc.pid)
     peak_total, peak_each = 0, {}
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
-            rss = {p.pid: (p.memory_info().rss, "trainer" if p is root else f"child {p.pid}")
+            now = {p.pid: (p.memory_info().rss, "trainer" if p is root else "searcher")
                    for p in tree}
         except psutil.Error:                     # a process ended between listing and reading
             continue
-        peak_total = max(peak_total, sum(r for r, _ in rss.values()))
-        for pid, (r, cmd) in rss.items():
-            peak_each[pid] = max(peak_each.get(pid, (0, cmd)), (r, cmd))
+        peak_total = max(peak_total, sum(r for r, _ in now.values()))
+        for pid, (r, name) in now.items():
+            peak_each[pid] = max(peak_each.get(pid, (0, name)), (r, name))
         time.sleep(0.2)
     if proc.returncode:
         sys.exit(f"error: the run failed with exit code {proc.returncode}")
-    model, _ = models.load_model(models.DEFAULT_MODEL)
-    params = sum(p.numel() for p in model.parameters())
-    trainer_need = 5 * params * 4            # weights, gradients, 2 AdamW moments, reference
-    searcher_need = 2 * params * 4           # policy and reference
-    big = [(r, cmd) for r, cmd in peak_each.values() if r > 0.2 * GB]   # skip helper processes
-    print(f"memory_peak_total {peak_total / GB:.2f} GiB")
-    for i, (r, cmd) in enumerate(sorted(big, reverse=True)):
-        print(f"memory_peak_process_{i} {r / GB:.2f} GiB")
-    print(f"memory_model_parameters {params / 1e6:.1f} M")
-    print(f"memory_trainer_state {trainer_need / GB:.2f} GiB")
-    print(f"\n| run: python tba.py {' '.join(flags)} | GiB |\n| --- | --- |")
-    print(f"| peak RSS, all processes together | {peak_total / GB:.2f} |")
-    for r, cmd in sorted(big, reverse=True):
-        print(f"| peak RSS of the {cmd} (searchers are the large children) | {r / GB:.2f} |")
-    print(f"| trainer: weights + gradients + AdamW moments + reference ({params / 1e6:.0f}M "
-          f"parameters, float32) | {trainer_need / GB:.2f} |")
-    print(f"| each searcher: policy + reference | {searcher_need / GB:.2f} |")
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    step_s = statistics.mean(r["train_s"] for r in rows if "train_s" in r)
+    big = sorted(((r, name) for r, name in peak_each.values() if r > 0.2 * GB), reverse=True)
+    print(f"| python tba.py {' '.join(flags)} | {peak_total / GB:.2f} | "
+          + ", ".join(f"{name} {r / GB:.2f}" for r, name in big) + f" | {step_s:.1f} |")
+
+
+def step(repo):
+    print("| trainer step, SmolLM2-135M, K = 8 × 456 tokens | s per step | peak above the state (GiB) |"
+          "\n| --- | --- | --- |")
+    names = ["float32"] if repo != REPO else list(OPTIONS)
+    for name in names:
+        m = in_fresh_process("step", "--option", name, repo=repo)
+        print(f"| {name}{' (' + str(repo) + ')' if repo != REPO else ''} | {m['seconds']:.1f} | "
+              f"{m['extra'] / GB:.2f} |", flush=True)
+
+
+def predict():
+    """Fit extra = tokens·(a + b·layers) per option and predict the 22-layer recipe."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(
+            LlamaConfig(num_hidden_layers=LLAMA_1B_LAYERS, **LLAMA_1B)).parameters())
+    print(f"1.1B Llama shape: {params / 1e9:.2f} B parameters\n")
+    print("| option | bytes per token (all layers) | micro-batch (sequences of 700) | predicted "
+          "trainer peak (GB) | fits 80 GB |\n| --- | --- | --- | --- | --- |")
+    for name, (_, micro, dtype) in OPTIONS.items():
+        if micro:
+            continue
+        extra = {(layers, n): in_fresh_process("predict", "--option", name, "--layers", layers,
+                                               "--sequences", n)["extra"]
+                 for layers in (1, 2) for n in (1, 2)}
+        per_seq = {layers: extra[layers, 2] - extra[layers, 1] for layers in (1, 2)}
+        per_layer = (per_seq[2] - per_seq[1]) / RECIPE_TOKENS           # b, bytes per token
+        fixed = per_seq[1] / RECIPE_TOKENS - per_layer                  # a, bytes per token
+        per_token = fixed + per_layer * LLAMA_1B_LAYERS
+        state = params * (16 + (2 if dtype != "float32" else 0))
+        for sequences in (20, 4):                 # a whole group (K = 20), or 4 per pass
+            peak = state + per_token * RECIPE_TOKENS * sequences
+            print(f"| {name} | {per_token / 1e6:.2f} MB | {sequences} | {peak / 1e9:.1f} | "
+                  f"{'yes' if peak < 80e9 else 'no'} |", flush=True)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("what", choices=["step", "predict"])
+        parser.add_argument("--repo", default=str(REPO))
+        parser.add_argument("--option", choices=list(OPTIONS), default="float32")
+        parser.add_argument("--layers", type=int, default=1)
+        parser.add_argument("--sequences", type=int, default=1)
+        return child(parser.parse_args(sys.argv[2:]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["run", "step", "predict"])
+    parser.add_argument("--repo", type=Path, default=REPO,
+                        help="step: measure the plain step of this checkout instead")
+    args, rest = parser.parse_known_args()
+    if args.what == "run":
+        print("| run | peak RSS, all processes (GiB) | each | trainer step (s) |\n| --- | --- | --- | --- |")
+        run(rest[rest.index("--") + 1:] if "--" in rest else RUN_DEFAULT)
+    elif args.what == "step":
+        step(args.repo.resolve())
+    else:
+        predict()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class Task:
 
 # Imported on demand, so that a task's optional dependencies are only needed when it is used.
 TASKS = {"toy": "tasks.toy:ToyTask", "gsm8k": "tasks.gsm8k:Gsm8kTask",
-         "arith": "tasks.arith:ArithTask", "redteam": "tasks.redteam:RedTeamTask"}
+         "arith": "tasks.arith:ArithTask", "redteam": "tasks.redteam:RedTeamTask",
+         "summarize": "tasks.summarize:SummarizeTask", "tldr": "tasks.summarize:TldrTask"}
 
 
 def task_class(name):
