@@ -174,6 +174,11 @@ class RewardModel:
         return torch.cat(scores)                                                      # [N]
 
 
+def win_rate(ours, theirs):
+    """[N] judge scores of two summaries of the same posts -> [N] 1 win, 0.5 tie, 0 loss."""
+    return (ours > theirs).float() + 0.5 * (ours == theirs).float()
+
+
 def load_reward(name, device):
     return SimilarityReward(device) if name == SIMILARITY else RewardModel(name, device)
 
@@ -249,8 +254,8 @@ class SummarizeTask(Task):
             self.baseline = (self.summarize(ref_model, tokenizer, prompts, greedy=True)[0]
                              if isinstance(self.judge, SimilarityReward) else references)
         reward = self.reward_model(texts, greedy, references)                    # [N]
-        ours, theirs = self.judge(texts, greedy, references), self.judge(texts, self.baseline, references)
-        wins = (ours > theirs).float() + 0.5 * (ours == theirs).float()         # [N], ties half
+        wins = win_rate(self.judge(texts, greedy, references),
+                        self.judge(texts, self.baseline, references))              # [N]
         metrics = {"eval/reward_mean": reward.mean().item(),
                    "eval/win_rate": wins.mean().item(),
                    "eval/kl": self.kl(model, ref_model, tokenizer, prompts),

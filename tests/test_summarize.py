@@ -1,0 +1,120 @@
+"""The summarisation task: loaders, both reward paths, win rate and KL, and short runs."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+import models
+import tba
+from tasks import make_task
+from tasks.summarize import (RewardModel, SimilarityReward, detokenize, read_aclsum, read_jsonl,
+                             win_rate)
+
+POST = ("My landlord said he would fix the heating in October, it is now January and my flat "
+        "is 12 degrees. He does not answer calls any more.\nTL;DR:")
+
+
+def task(*args):
+    cfg, _ = tba.parse_args(["--task", "summarize", *args])
+    return make_task(tba.resolve(cfg))
+
+
+def test_similarity_reward_orders_summaries():
+    """A faithful summary beats another post's summary, which beats nothing; copying a text
+    twice the reference's length costs the length term."""
+    reward = SimilarityReward(torch.device("cpu"))
+    reference = "The landlord has not fixed the heating for three months and ignores calls."
+    candidates = ["My landlord still has not repaired the heating and won't answer my calls.",
+                  "I adopted a kitten and she keeps knocking my plants over.",
+                  ""]
+    scores = reward([POST] * 3, candidates, [reference] * 3)
+    assert scores.shape == (3,)
+    assert scores[0] > 0.5 > scores[1] > scores[2] == -1.0
+    copy = " ".join([candidates[0]] * 3)               # 3× the words: penalty (3·13/13 − 1)/2 = 1
+    assert reward([POST], [copy], [reference])[0] < scores[0] - 0.9
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_model_dir):
+    """A randomly initialised one-output sequence classifier with the SmolLM2 tokenizer."""
+    _, tokenizer = models.load_model(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("reward-model")
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_reward_model_scores_in_batches_as_one_by_one(reward_model_dir):
+    reward = RewardModel(str(reward_model_dir), torch.device("cpu"), batch_size=3)
+    summaries = ["Heating broken.", "The landlord ignores me about the heating, for months.",
+                 "x", "Cold flat; landlord silent since October.", "", "A kitten."]
+    together = reward([POST] * 6, summaries)
+    alone = torch.cat([reward([POST], [s]) for s in summaries])
+    assert together.shape == (6,) and together.dtype == torch.float32
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)   # padding is masked
+    assert together.unique().numel() == 6
+    assert next(reward.model.parameters()).device.type == "cpu" and not reward.model.training
+
+
+def test_reward_model_needs_one_output(tmp_path, reward_model_dir):
+    config = LlamaConfig.from_pretrained(reward_model_dir)
+    config.num_labels = 2
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((reward_model_dir / name).read_bytes())
+    with pytest.raises(ValueError, match="has 2 outputs; a reward model has one"):
+        RewardModel(str(tmp_path), torch.device("cpu"))
+
+
+def test_win_rate_by_hand():
+    ours, theirs = torch.tensor([1.0, 0.2, 0.5, -3.0]), torch.tensor([0.5, 0.7, 0.5, -4.0])
+    assert win_rate(ours, theirs).tolist() == [1.0, 0.0, 0.5, 1.0]     # a tie counts half
+
+
+def test_kl_is_zero_for_the_reference_and_positive_away_from_it(tiny_model_dir):
+    summarize = task("--model", str(tiny_model_dir), "--max-new-tokens", "6")
+    model, tokenizer = summarize.load_model("cpu")
+    prompts = summarize.prompts("test", tokenizer)[:8]
+    assert summarize.kl(model, model, tokenizer, prompts) == 0.0
+    moved = models.load_model(tiny_model_dir)[0]
+    with torch.no_grad():
+        moved.lm_head.weight.mul_(30)                  # a much sharper policy than the reference
+    torch.manual_seed(0)
+    assert summarize.kl(moved, model, tokenizer, prompts) > 1.0
+
+
+def test_loaders(tmp_path):
+    assert detokenize(["In", "this", "paper", ",", "we", "(", "QA", ")", "win", "."]) == \
+        "In this paper, we (QA) win."
+    train, test = read_aclsum("train"), read_aclsum("test")
+    assert len(train) == 100 and len(test) == 100
+    abstract, summary = test[0]
+    assert " ," not in abstract and len(summary.split()) > 30
+    # the hub formats: trl-lib/tldr (prompt, completion) and CarperAI (prompt, label)
+    rows = [{"prompt": POST, "completion": " Heating broken."}, {"prompt": POST, "label": "Cold."}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert read_jsonl(path) == [(POST, " Heating broken."), (POST, "Cold.")]
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": POST}) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl line 2 needs a text field .* and a summary"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("searchers", ["0", "1"])
+def test_short_runs(searchers, tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    assert tba.main(["--task", "summarize", "--model", str(tiny_model_dir), "--steps", "2",
+                     "--max-new-tokens", "6", "--eval-n", "4", "--searchers", searchers,
+                     "--quiet", "--out", str(run)]) == 0
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    evals = [r for r in rows if "eval/win_rate" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert evals[0]["eval/win_rate"] == 0.5 and evals[0]["eval/kl"] == 0.0   # policy = reference
+    assert {"eval/reward_mean", "eval/length", "eval/n"} <= set(evals[-1])
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    assert {"summary", "reference", "reward", "win"} <= set(samples[0])
