@@ -26,6 +26,7 @@ a CUDA caching allocator adds little beyond the live tensors (keep ~10% headroom
 """
 import argparse
 import ctypes
+import functools
 import json
 import resource
 import statistics
@@ -59,8 +60,9 @@ def peak_rss():
 
 
 def measure_step(model, option, sequences, prompt_len, response_len, steps):
-    """Warm up (AdamW allocates its moments), release freed memory to the OS, then time `steps`
-    trainer steps. -> (seconds per step, peak RSS above the state in bytes)"""
+    """Warm up (AdamW allocates its moments, backward the gradients), release freed memory to
+    the OS, then time `steps` trainer steps. -> (seconds per step, peak RSS above the state:
+    weights, gradients, AdamW moments, in bytes)"""
     import torch
     import trainer
     from buffer import GroupBatch
@@ -75,6 +77,9 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
                        reward=torch.randn(1, k), ref_logp=torch.zeros(1, k),
                        version=torch.zeros(1, dtype=torch.long), prompt_index=torch.zeros(1, dtype=torch.long))
     optimizer, scheduler = trainer.make_optimizer(model, 1e-6, 100, 0, 0)
+    # Keep the gradients allocated between steps, as part of the state: freed, they would be
+    # re-allocated during backward and could set the peak without any activation alive.
+    optimizer.zero_grad = functools.partial(type(optimizer).zero_grad, optimizer, set_to_none=False)
     extra = {} if option == OPTIONS["float32"] else dict(       # the old train_step has none
         micro_completions=micro_completions, dtype=getattr(torch, dtype))
     trainer.train_step(model, optimizer, scheduler, batch, 0.05, "tb", 1.0, None, 1.0, **extra)
