@@ -100,8 +100,7 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
         torch.set_num_threads(threads)
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(device)     # libraries that use "the current GPU" use ours
+        models.use_device(torch.device(device))
         task = tasks.make_task(cfg)
         policy, tokenizer = task.load_model(torch.device(device))
         ref_model = copy.deepcopy(policy).requires_grad_(False)

@@ -479,6 +479,7 @@ def load(cfg):
     check_out_folder(cfg)
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    models.use_device(device)
     transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)

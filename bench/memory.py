@@ -14,8 +14,9 @@ activations and temporaries of the step. `--repo DIR` runs the plain step of ano
 (e.g. a `git worktree` of an older commit) for a before/after row.
 
 `predict` builds models of the paper's 1.1B Llama shape (TinyLlama: 22 layers, hidden 2048, MLP
-5632, 32 heads, 4 KV heads, vocab 32000) with random weights and 1 and 2 layers, measures the
-step's extra memory per trained token with 1 and 2 sequences of 700 tokens, fits
+5632, 32 heads, 4 KV heads, vocab 32000) with random weights and 1 and 3 layers, measures the
+step's extra memory per trained token with 1 and 3 sequences of 700 tokens (spreads wide enough
+to stand above the allocator's noise), fits
 extra = tokens · (a + b · layers), and predicts the trainer's peak for the recipe (one pass of
 `micro` sequences of 700 tokens over all 22 layers) plus its state: float32 weights, gradients
 and two AdamW moments (16 bytes per parameter) and, under autocast, the cached 16-bit copy of
@@ -48,6 +49,7 @@ OPTIONS = {"float32": (False, 0, "float32"),
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 LLAMA_1B_LAYERS, RECIPE_TOKENS = 22, 700      # ~190 prompt + 512 new tokens
+LAYERS, SEQUENCES = (1, 3), (1, 3)            # the models and passes measured for the fit
 
 
 def rss():
@@ -55,8 +57,15 @@ def rss():
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak_rss():
+    """Linux: restart the peak (VmHWM) from now, so that building the model does not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux: KiB
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
 
 
 def measure_step(model, option, sequences, prompt_len, response_len, steps):
@@ -85,6 +94,7 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
     trainer.train_step(model, optimizer, scheduler, batch, 0.05, "tb", 1.0, None, 1.0, **extra)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     state = rss()
+    reset_peak_rss()
     start = time.time()
     for _ in range(steps):
         trainer.train_step(model, optimizer, scheduler, batch, 0.05, "tb", 1.0, None, 1.0, **extra)
@@ -168,15 +178,18 @@ def predict():
             continue
         extra = {(layers, n): in_fresh_process("predict", "--option", name, "--layers", layers,
                                                "--sequences", n)["extra"]
-                 for layers in (1, 2) for n in (1, 2)}
-        per_seq = {layers: extra[layers, 2] - extra[layers, 1] for layers in (1, 2)}
-        per_layer = (per_seq[2] - per_seq[1]) / RECIPE_TOKENS           # b, bytes per token
-        fixed = per_seq[1] / RECIPE_TOKENS - per_layer                  # a, bytes per token
-        per_token = fixed + per_layer * LLAMA_1B_LAYERS
+                 for layers in LAYERS for n in SEQUENCES}
+        (l1, l2), (n1, n2) = LAYERS, SEQUENCES
+        per_token = {layers: (extra[layers, n2] - extra[layers, n1]) / ((n2 - n1) * RECIPE_TOKENS)
+                     for layers in LAYERS}
+        per_layer = (per_token[l2] - per_token[l1]) / (l2 - l1)        # b, bytes per token
+        fixed = per_token[l1] - l1 * per_layer                          # a, bytes per token
+        all_layers = fixed + per_layer * LLAMA_1B_LAYERS
         state = params * (16 + (2 if dtype != "float32" else 0))
         for sequences in (20, 4):                 # a whole group (K = 20), or 4 per pass
-            peak = state + per_token * RECIPE_TOKENS * sequences
-            print(f"| {name} | {per_token / 1e6:.2f} MB | {sequences} | {peak / 1e9:.1f} | "
+            peak = state + all_layers * RECIPE_TOKENS * sequences
+            print(f"| {name} | {all_layers / 1e6:.2f} MB ({fixed / 1e3:.0f} kB + {LLAMA_1B_LAYERS} × "
+                  f"{per_layer / 1e3:.0f} kB) | {sequences} | {peak / 1e9:.1f} | "
                   f"{'yes' if peak < 80e9 else 'no'} |", flush=True)
 
 

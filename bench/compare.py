@@ -1,0 +1,139 @@
+"""TB synchronous and asynchronous against RLOO on a real task, same trained samples, several seeds.
+
+    python bench/compare.py redteam   [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
+    python bench/compare.py summarize [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
+
+Each setting is `python tba.py --task TASK` with the task's defaults plus a few flags, run with
+every seed. Settings:
+  tb-sync          --searchers 0   trajectory balance, on-policy
+  tb-async         --searchers 1   trajectory balance from a searcher's replay buffer (m = 0.5
+                                   for summarize, the paper's best; m = 0.2 and 0.95 beside it)
+  rloo-weak-kl     --searchers 0 --loss rloo, β 10× smaller than the task's. RLOO at the task's
+                   own β is not run: on one on-policy batch its gradient is (β/2)·K/(K−1) times
+                   TB's, so after clipping and Adam it is the same run as tb-sync (weights within
+                   3e-6 after 30 red-teaming steps). KL-regularised RL is usually run weaker.
+Runs go one after the other, seed by seed (so that a stopped bench has every setting for the
+first seeds), each in its own process; a finished run in --runs is not run again, so the script
+can be stopped and restarted. Then it prints each metric as mean ± standard deviation over the
+seeds [min–max], and `--plot` draws the task's progress metric of every run against wall time.
+"""
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import plot  # noqa: E402
+
+SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]
+CHECKPOINTS_S = (120, 240, 360)           # "so far" at these wall times
+
+
+def last_before(rows, key, seconds):
+    """The last value of `key` logged by `seconds` of wall time (0 before the first)."""
+    rows = [r for r in rows if r["time"] <= seconds and key in r]
+    return rows[-1][key] if rows else 0
+
+
+TASKS = {
+    "redteam": dict(
+        settings={"tb-sync": SYNC, "tb-async": ASYNC,
+                  "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"]},
+        # name -> (column header, digits, value from (training rows, evaluation rows))
+        columns={"success_rate": ("eval success rate", 3, lambda t, e: e[-1]["eval/success_rate"]),
+                 "diversity": ("eval diversity of successes", 3, lambda t, e: e[-1]["eval/diversity"]),
+                 "eval_unique": ("eval distinct successes (of 32)", 1,
+                                 lambda t, e: e[-1]["eval/unique_successes"]),
+                 **{f"found_{s}s": (f"found by {s // 60} min", 1, lambda t, e, s=s: last_before(
+                     t, "redteam/unique_successes", s)) for s in CHECKPOINTS_S},
+                 "found": ("found in the run", 1, lambda t, e: t[-1]["redteam/unique_successes"]),
+                 "wall": ("wall (s)", 0, lambda t, e: e[-1]["time"])},
+        curve=("train", "redteam/unique_successes", "distinct successful attacks found")),
+    "summarize": dict(
+        settings={"tb-sync": SYNC, "tb-async": ASYNC,
+                  "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.002", "--beta-final", "0.002"],
+                  "tb-async-m0.2": [*ASYNC, "--recent-frac", "0.2"],
+                  "tb-async-m0.95": [*ASYNC, "--recent-frac", "0.95"]},
+        columns={"win_rate": ("eval win rate (end)", 3, lambda t, e: e[-1]["eval/win_rate"]),
+                 "best_win_rate": ("best eval win rate", 3, lambda t, e: max(r["eval/win_rate"] for r in e)),
+                 "reward": ("eval reward (end)", 3, lambda t, e: e[-1]["eval/reward_mean"]),
+                 "kl": ("eval KL (end, nats)", 2, lambda t, e: e[-1]["eval/kl"]),
+                 "length": ("eval length (tokens)", 1, lambda t, e: e[-1]["eval/length"]),
+                 **{f"win_{s}s": (f"win rate by {s // 60} min", 3, lambda t, e, s=s: last_before(
+                     e, "eval/win_rate", s)) for s in CHECKPOINTS_S},
+                 "wall": ("wall (s)", 0, lambda t, e: e[-1]["time"])},
+        curve=("eval", "eval/win_rate", "eval win rate")),
+}
+
+
+def run(task, setting, seed, out):
+    if (out / "final").is_dir():
+        return
+    done = subprocess.run([sys.executable, "tba.py", "--task", task, *TASKS[task]["settings"][setting],
+                           "--seed", str(seed), "--quiet", "--out", str(out)], cwd=REPO)
+    if done.returncode:
+        sys.exit(f"error: the {setting} run with seed {seed} failed (exit {done.returncode})")
+
+
+def spread(values, digits):
+    mean = statistics.mean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def draw(task, runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows_kind, key, label = TASKS[task]["curve"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, (setting, outs) in enumerate(runs.items()):
+        for j, out in enumerate(outs):
+            train_rows, eval_rows = plot.read_metrics(out)
+            rows = train_rows if rows_kind == "train" else eval_rows
+            ax.plot([r["time"] for r in rows], [r[key] for r in rows], color=f"C{i}",
+                    label=setting if j == 0 else None, linewidth=1.2,
+                    marker="o" if rows_kind == "eval" else None, markersize=3)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("task", choices=TASKS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--settings", nargs="+", default=None,
+                        help="default: every setting of the task")
+    parser.add_argument("--runs", default="", help="folder for the runs (default runs/bench-TASK)")
+    parser.add_argument("--plot", default="", help="write the progress-over-time plot here (.png)")
+    args = parser.parse_args()
+    spec = TASKS[args.task]
+    settings = args.settings or list(spec["settings"])
+    unknown = [s for s in settings if s not in spec["settings"]]
+    if unknown:
+        parser.error(f"{args.task} has no setting {unknown[0]}: pick from {', '.join(spec['settings'])}")
+    folder = Path(args.runs or f"runs/bench-{args.task}")
+    runs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in settings}
+    for seed_index in range(len(args.seeds)):
+        for setting, outs in runs.items():
+            run(args.task, setting, args.seeds[seed_index], outs[seed_index])
+    columns = spec["columns"].values()
+    print(f"| setting ({len(args.seeds)} seeds) | " + " | ".join(c[0] for c in columns)
+          + " |\n|" + " --- |" * (len(columns) + 1))
+    for setting, outs in runs.items():
+        data = [plot.read_metrics(out) for out in outs]
+        print(f"| {setting} | " + " | ".join(spread([value(t, e) for t, e in data], digits)
+                                            for _, digits, value in columns) + " |")
+    if args.plot:
+        draw(args.task, runs, args.plot)
+        print(f"\n{args.plot}")
+
+
+if __name__ == "__main__":
+    main()
