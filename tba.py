@@ -76,8 +76,8 @@ class Config:
     prompt_style: str = flag("auto", "language tasks: chat (the tokenizer's chat template) or "
                                      "plain ('[MATH TASK] Problem: ...', '...\\nTL;DR:'); auto: "
                                      "chat when the tokenizer has a chat template", one_of("auto", "chat", "plain"))
-    max_prompt_len: int = flag(512, "language tasks: skip prompts longer than this, "
-                                    "in tokens", at_least(1))
+    max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
+                                     f"{TASK_DEFAULT}", at_least(1))
     eval_batch_size: int = flag(16, "prompts per batch of evaluation",
                                 at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
@@ -140,9 +140,10 @@ class Config:
                                      "group when needed: a no-grad pass scores the whole group "
                                      "first, so memory stops growing with K (same gradient, one "
                                      "more forward pass; 0: whole groups)", at_least(0))
-    activation_checkpointing: bool = flag(False, "keep only each decoder layer's input for "
-                                                 "backward and recompute the rest: ~1/3 more "
-                                                 "trainer compute, a fraction of the memory")
+    activation_checkpointing: bool = flag(None, "keep only each decoder layer's input for "
+                                                "backward and recompute the rest: ~1/3 more "
+                                                "trainer compute, a fraction of the memory "
+                                                f"(--no-activation-checkpointing: off) {TASK_DEFAULT}")
     dtype: str = flag("auto", "precision of forward passes: autocast to bfloat16 or float16 "
                               "(with loss scaling) over float32 weights and optimiser state, or "
                               "float32; auto: bfloat16 on GPUs that have it, float32 on CPU",
@@ -204,8 +205,9 @@ def build_parser(with_defaults=True):
         help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
                 + (f" (default: {f.default})" if f.default not in (None, "") else ""))
         default = f.default if with_defaults else argparse.SUPPRESS
-        if f.type is bool:
-            parser.add_argument(name, action="store_true", default=default, help=f.metadata["help"])
+        if f.type is bool:               # on/off, or --x/--no-x when the task chooses
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.__name__]
             parser.add_argument(name, type=kind, default=default, help=help)

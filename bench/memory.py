@@ -4,8 +4,11 @@
     python bench/memory.py step [--repo DIR]       # one GSM8K-sized trainer step per option
     python bench/memory.py predict                 # the paper's recipe on a 1.1B Llama
 
-`run` samples the resident memory (RSS) of the trainer and every child process every 0.2 s and
-reports the peak of their sum and of each process, and the mean trainer step time.
+`run` samples the memory of the trainer and every child process every 0.2 s and reports the
+peak of their sum and of each process, and the mean trainer step time. Two sums: of the
+resident sets (RSS), which counts the shared-memory weight slots and buffer once in every
+process that touched them, and of the proportional sets (PSS), which splits each shared page
+between the processes that map it: the memory the run really takes.
 
 `step` times one trainer step of SmolLM2-135M on a GSM8K-sized group (K = 8 completions of 200
 prompt + 256 response tokens, random ids) under each memory option, each in a fresh process,
@@ -15,15 +18,17 @@ activations and temporaries of the step. `--repo DIR` runs the plain step of ano
 
 `predict` builds models of the paper's 1.1B Llama shape (TinyLlama: 22 layers, hidden 2048, MLP
 5632, 32 heads, 4 KV heads, vocab 32000) with random weights and 1 and 3 layers, measures the
-step's extra memory per trained token with 1 and 3 sequences of 700 tokens (spreads wide enough
-to stand above the allocator's noise), fits
+step's extra memory per trained token with 1 and 3 sequences of 700 tokens, fits
 extra = tokens · (a + b · layers), and predicts the trainer's peak for the recipe (one pass of
-`micro` sequences of 700 tokens over all 22 layers) plus its state: float32 weights, gradients
+20 or 4 sequences of 700 tokens over all 22 layers) plus its state: float32 weights, gradients
 and two AdamW moments (16 bytes per parameter) and, under autocast, the cached 16-bit copy of
-the weights (2 bytes per parameter); no reference model, as searchers score it.
-Assumptions: memory grows linearly with the tokens of a pass (on a GPU SDPA uses flash or
-memory-efficient attention, which keep no [T, T] scores: so does PyTorch's CPU SDPA here), and
-a CUDA caching allocator adds little beyond the live tensors (keep ~10% headroom).
+the weights (2 bytes per parameter); no reference model, as searchers score it. Under
+checkpointing a layer keeps only its input (8 kB per token), less than the allocator's noise
+across runs: when the fit gives less, the prediction uses that bound and says so.
+Assumptions: memory grows linearly with the number of 700-token sequences in a pass and with
+the layers (attention's cost in T is inside the per-token figure), a GPU's attention kernels
+keep no more than the CPU's, and the CUDA caching allocator adds ~10% over the live tensors.
+`--option NAME` predicts one option only.
 """
 import argparse
 import ctypes
@@ -50,6 +55,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 LLAMA_1B_LAYERS, RECIPE_TOKENS = 22, 700      # ~190 prompt + 512 new tokens
 LAYERS, SEQUENCES = (1, 3), (1, 3)            # the models and passes measured for the fit
+LAYER_INPUT = LLAMA_1B["hidden_size"] * 4     # bytes per token of a layer's float32 input
 
 
 def rss():
@@ -132,15 +138,16 @@ def run(flags):
     proc = subprocess.Popen([sys.executable, "tba.py", *flags, "--quiet", "--out", str(out)],
                             cwd=REPO)
     root = psutil.Process(proc.pid)
-    peak_total, peak_each = 0, {}
+    peak_total, peak_pss, peak_each = 0, 0, {}
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
-            now = {p.pid: (p.memory_info().rss, "trainer" if p is root else "searcher")
-                   for p in tree}
+            full = {p.pid: p.memory_full_info() for p in tree}
         except psutil.Error:                     # a process ended between listing and reading
             continue
+        now = {p.pid: (full[p.pid].rss, "trainer" if p is root else "searcher") for p in tree}
         peak_total = max(peak_total, sum(r for r, _ in now.values()))
+        peak_pss = max(peak_pss, sum(m.pss for m in full.values()))
         for pid, (r, name) in now.items():
             peak_each[pid] = max(peak_each.get(pid, (0, name)), (r, name))
         time.sleep(0.2)
@@ -149,7 +156,7 @@ def run(flags):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     step_s = statistics.mean(r["train_s"] for r in rows if "train_s" in r)
     big = sorted(((r, name) for r, name in peak_each.values() if r > 0.2 * GB), reverse=True)
-    print(f"| python tba.py {' '.join(flags)} | {peak_total / GB:.2f} | "
+    print(f"| python tba.py {' '.join(flags)} | {peak_total / GB:.2f} | {peak_pss / GB:.2f} | "
           + ", ".join(f"{name} {r / GB:.2f}" for r, name in big) + f" | {step_s:.1f} |")
 
 
@@ -163,7 +170,7 @@ def step(repo):
               f"{m['extra'] / GB:.2f} |", flush=True)
 
 
-def predict():
+def predict(only):
     """Fit extra = tokens·(a + b·layers) per option and predict the 22-layer recipe."""
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch
@@ -174,7 +181,7 @@ def predict():
     print("| option | bytes per token (all layers) | micro-batch (sequences of 700) | predicted "
           "trainer peak (GB) | fits 80 GB |\n| --- | --- | --- | --- | --- |")
     for name, (_, micro, dtype) in OPTIONS.items():
-        if micro:
+        if micro or (only and name != only):
             continue
         extra = {(layers, n): in_fresh_process("predict", "--option", name, "--layers", layers,
                                                "--sequences", n)["extra"]
@@ -184,12 +191,16 @@ def predict():
                      for layers in LAYERS}
         per_layer = (per_token[l2] - per_token[l1]) / (l2 - l1)        # b, bytes per token
         fixed = per_token[l1] - l1 * per_layer                          # a, bytes per token
+        # A layer keeps at least its float32 input for backward; under checkpointing that is
+        # all it keeps, below what the allocator's noise lets the fit resolve.
+        bound = per_layer < LAYER_INPUT
+        per_layer = max(per_layer, LAYER_INPUT)
         all_layers = fixed + per_layer * LLAMA_1B_LAYERS
         state = params * (16 + (2 if dtype != "float32" else 0))
         for sequences in (20, 4):                 # a whole group (K = 20), or 4 per pass
             peak = state + all_layers * RECIPE_TOKENS * sequences
             print(f"| {name} | {all_layers / 1e6:.2f} MB ({fixed / 1e3:.0f} kB + {LLAMA_1B_LAYERS} × "
-                  f"{per_layer / 1e3:.0f} kB) | {sequences} | {peak / 1e9:.1f} | "
+                  f"{per_layer / 1e3:.0f} kB{', the bound' if bound else ''}) | {sequences} | {peak / 1e9:.1f} | "
                   f"{'yes' if peak < 80e9 else 'no'} |", flush=True)
 
 
@@ -206,14 +217,17 @@ def main():
     parser.add_argument("what", choices=["run", "step", "predict"])
     parser.add_argument("--repo", type=Path, default=REPO,
                         help="step: measure the plain step of this checkout instead")
+    parser.add_argument("--option", choices=list(OPTIONS), default="",
+                        help="predict: this option only")
     args, rest = parser.parse_known_args()
     if args.what == "run":
-        print("| run | peak RSS, all processes (GiB) | each | trainer step (s) |\n| --- | --- | --- | --- |")
+        print("| run | peak RSS, all processes (GiB) | peak PSS, all processes (GiB) | RSS of each "
+              "| trainer step (s) |\n| --- | --- | --- | --- | --- |")
         run(rest[rest.index("--") + 1:] if "--" in rest else RUN_DEFAULT)
     elif args.what == "step":
         step(args.repo.resolve())
     else:
-        predict()
+        predict(args.option)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ class Gsm8kTask(AnswerTask):
     # takes minutes; 256 tokens hold most of its solutions. SmolLM2 solves ~4% greedily and
     # fewer when sampling at temperature 1, so 0.7 (as for arith) gives more groups with a
     # success to learn from, and β stays at 0.05, the value that worked on arith.
-    # micro_groups=1: one group (8 × ~500 tokens) per backward pass already peaks at 13 GB;
-    # all four at once ran out of 24 GB.
+    # micro_groups=1 and activation_checkpointing: one group (8 × ~450 tokens) per backward
+    # pass, keeping only each layer's input, takes 2.3 GB above the trainer's state for 1.2×
+    # the step time (5.8 GB without checkpointing; `python bench/memory.py step`).
     # eval_n: greedy evaluation of all 1,319 test questions takes over half an hour on a CPU,
     # so the default is the first 128 (±2 points); pass --eval-n 0 on a GPU.
     # The paper's recipe for a 4-GPU machine and a GSM8K-tuned 1B model: K=20, 7 prompts per
@@ -79,7 +80,8 @@ class Gsm8kTask(AnswerTask):
                     max_new_tokens=256, temperature=0.7, beta=0.05, beta_final=0.05,
                     beta_steps=0, lr=1e-5, warmup_steps=10, decay_steps=50, eval_every=50,
                     eval_n=128, sync_every=2, recent_frac=0.95, min_buffer=4,
-                    buffer_capacity=1000, micro_groups=1)
+                    buffer_capacity=1000, micro_groups=1,
+                    activation_checkpointing=True)
 
     def examples(self, split):
         """(question, gold answer) pairs: the gold answer is the number after the solution's ####."""
