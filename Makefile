@@ -13,13 +13,16 @@ install:
 	# ACL papers with reference summaries: the offline data of --task summarize (read as files)
 	$(PYTHON) -m pip install --no-deps aclsum==0.1.2
 
+install-ray:     # the optional extra for --ray (searchers as Ray actors, several machines)
+	$(PYTHON) -m pip install "ray==2.60.0"
+
 run: install
 	$(PYTHON) tba.py
 
-test: install
+test: install install-ray
 	$(PYTHON) -m pytest -q
 
 notebooks: install     # run every notebook in notebooks/ top to bottom, and the graders
 	$(PYTHON) -m pytest -q tests/test_notebooks.py
 
-.PHONY: install run test notebooks
+.PHONY: install install-ray run test notebooks

@@ -4,7 +4,7 @@
 policy, their rewards from the task, and their log-probs under the frozen reference model. The
 synchronous loop calls it in the trainer's process; asynchronous searchers (`run`, started and
 watched by `SearcherPool`) call it in a loop in their own processes and write the groups to the
-replay buffer.
+replay buffer. Where the groups go from there is `sources.py`'s concern.
 """
 import copy
 import ctypes
@@ -85,53 +85,86 @@ def die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
+class Searcher:
+    """One searcher: the task, the policy it samples from, the frozen reference and its shard of
+    the training prompts. A searcher process (`run`) and a Ray actor (`sources.RaySearchers`)
+    each drive one: weights in, scored groups out.
+
+    The reference model is the task's initial model, loaded here, so that it never changes; the
+    policy starts from whatever weights the trainer sends first (version 0 at start, or a
+    checkpoint's weights on resume), and `start` must be called with that version.
+    """
+
+    def __init__(self, rank, cfg, device, threads):
+        torch.set_num_threads(threads)
+        device = torch.device(device)
+        models.use_device(device)
+        self.rank, self.cfg = rank, cfg
+        self.task = tasks.make_task(cfg)
+        self.policy, self.tokenizer = self.task.load_model(device)
+        self.ref_model = copy.deepcopy(self.policy).requires_grad_(False)
+        self.dtype = getattr(torch, cfg.dtype)
+        # Reference scoring in passes no larger than the trainer's (a no-grad pass needs less).
+        self.score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
+        self.batches = None
+
+    def start(self, version):
+        """Seed and pick the prompts, once the first weights (of `version`) are loaded."""
+        cfg = self.cfg
+        # One seed per (rank, starting version): searchers differ from each other and from the
+        # trainer, and a resumed run does not replay the samples of its first session.
+        seed = cfg.seed + 1 + self.rank + cfg.searchers * max(version, 0)
+        torch.manual_seed(seed)
+        train_prompts = self.task.prompts("train", self.tokenizer)
+        # Each searcher draws from its own shard; with fewer prompts than searchers, from all.
+        shard = (train_prompts[self.rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
+                 else train_prompts)
+        self.batches = prompt_batches(shard, cfg.prompts_per_step, seed)
+
+    def search(self, version, stop_event=None):
+        """One batch of groups from the current weights. -> (prompt ids, GroupBatch on the CPU,
+        report: tokens, seconds, groups, mean reward and the task's `score` info)"""
+        start = time.time()
+        prompts = next(self.batches)
+        batch, _ = sample_groups(self.policy, self.ref_model, self.tokenizer, self.task, prompts,
+                                 self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
+                                 version, stop_event, self.dtype, self.score_batch)
+        batch = batch.to("cpu")
+        info, batch.info = batch.info, None
+        report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),
+                  "seconds": time.time() - start, "groups": len(prompts),
+                  "reward": batch.reward.mean().item(), "info": info}
+        return [p.ids for p in prompts], batch, report
+
+
+def add_to_buffer(buffer, prompt_ids, batch):
+    """Write a searched batch into the replay buffer, one group per prompt."""
+    for i, ids in enumerate(prompt_ids):
+        buffer.add(ids, batch.response_ids[i], batch.response_len[i], batch.reward[i],
+                   batch.ref_logp[i], int(batch.version[i]), int(batch.prompt_index[i]))
+
+
 def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     """One searcher process: load, then search with the newest weights until told to stop.
 
-    The reference model is the task's initial model, loaded here, so that it never changes;
-    the policy starts from whatever weights the trainer published last (version 0 at start,
-    or a checkpoint's weights on resume). Every batch of groups goes to the shared buffer and a
-    short report (tokens, seconds, rewards) to the trainer. Any exception is reported with its
-    traceback before the process exits.
+    Every batch of groups goes to the shared buffer and its report to the trainer. Any exception
+    is reported with its traceback before the process exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the trainer's to handle: it stops us
     transformers_logging.disable_progress_bar()     # the trainer's bars are the ones to watch
     die_with_parent()
     parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
-        torch.set_num_threads(threads)
-        models.use_device(torch.device(device))
-        task = tasks.make_task(cfg)
-        policy, tokenizer = task.load_model(torch.device(device))
-        ref_model = copy.deepcopy(policy).requires_grad_(False)
-        version = weights.receive(policy, rank, -1, block=True)
-        # One seed per (rank, starting version): searchers differ from each other and from the
-        # trainer, and a resumed run does not replay the samples of its first session.
-        seed = cfg.seed + 1 + rank + cfg.searchers * max(version, 0)
-        torch.manual_seed(seed)
-        train_prompts = task.prompts("train", tokenizer)
-        # Each searcher draws from its own shard; with fewer prompts than searchers, from all.
-        shard = (train_prompts[rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
-                 else train_prompts)
-        batches = prompt_batches(shard, cfg.prompts_per_step, seed)
-        # Reference scoring in passes no larger than the trainer's (a no-grad pass needs less).
-        score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
+        searcher = Searcher(rank, cfg, device, threads)
+        version = weights.receive(searcher.policy, rank, -1, block=True)
+        searcher.start(version)
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
-            version = weights.receive(policy, rank, version)
-            start = time.time()
-            prompts = next(batches)
-            batch, _ = sample_groups(policy, ref_model, tokenizer, task, prompts, cfg.group_size,
-                                     cfg.max_new_tokens, cfg.temperature, version, stop,
-                                     getattr(torch, cfg.dtype), score_batch)
+            version = weights.receive(searcher.policy, rank, version)
+            prompt_ids, batch, report = searcher.search(version, stop)
             if stop.is_set():                 # generation was cut short: not a real group
                 break
-            batch = batch.to("cpu")
-            for i, prompt in enumerate(prompts):
-                buffer.add(prompt.ids, batch.response_ids[i], batch.response_len[i],
-                           batch.reward[i], batch.ref_logp[i], version, prompt.index)
-            reports.put({"rank": rank, "tokens": int(batch.response_len.sum()),
-                         "seconds": time.time() - start, "groups": len(prompts),
-                         "reward": batch.reward.mean().item(), "info": batch.info})
+            add_to_buffer(buffer, prompt_ids, batch)
+            reports.put(report)
     except BaseException:
         reports.put({"rank": rank, "error": traceback.format_exc()})
         raise
@@ -154,9 +187,6 @@ class SearcherPool:
                           for rank in range(cfg.searchers)]
         for p in self.processes:
             p.start()
-        self.tokens = self.groups = 0
-        self.reward_sum = 0.0
-        self.infos = []              # the task's `score` infos not yet logged (see take_infos)
         self.closing = threading.Event()
         self.trainer_thread = threading.get_ident()
         self.previous_handler = signal.signal(signal.SIGUSR1, self._searcher_died)
@@ -176,7 +206,8 @@ class SearcherPool:
         raise SearcherError("a searcher exited while the run was going on")
 
     def poll(self):
-        """Take in the reports so far; raise SearcherError if a searcher failed or died."""
+        """The searchers' reports since the last call; raise SearcherError if one failed or died."""
+        reports = []
         while True:
             try:
                 report = self.reports.get_nowait()
@@ -184,20 +215,12 @@ class SearcherPool:
                 break
             if "error" in report:
                 raise SearcherError(f"searcher {report['rank']} failed:\n{report['error']}")
-            self.tokens += report["tokens"]
-            self.groups += report["groups"]
-            self.reward_sum += report["reward"] * report["groups"]
-            if report["info"] is not None:
-                self.infos.append(report["info"])
+            reports.append(report)
         for rank, p in enumerate(self.processes):
             if not p.is_alive():
                 raise SearcherError(f"searcher {rank} (pid {p.pid}) died with exit code "
                                     f"{p.exitcode}")
-
-    def take_infos(self):
-        """The task's `score` infos of the batches reported since the last call."""
-        infos, self.infos = self.infos, []
-        return infos
+        return reports
 
     def close(self, timeout=10.0):
         """Ask every searcher to stop, wait a little, then terminate whatever is left."""

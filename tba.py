@@ -7,9 +7,11 @@ Every setting is a field of `Config` below and a command-line flag of the same n
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -20,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
@@ -28,16 +29,18 @@ import checkpoint
 import models
 import plot
 import searcher
+import sources
 import tasks
 import trainer
 from buffer import ReplayBuffer, shared_bytes
 from tasks import scorers
 
 
-def flag(default, help, valid=None):
+def flag(default, help, valid=None, bare=None):
     """A Config field: its default, its --help text and, for numbers and choices, the rule its
-    value must follow (`valid`), checked by `check_ranges` before anything is loaded."""
-    return field(default=default, metadata={"help": help, "valid": valid})
+    value must follow (`valid`), checked by `check_ranges` before anything is loaded. A flag with
+    a `bare` value may be given without one (`--ray` means `--ray local`)."""
+    return field(default=default, metadata={"help": help, "valid": valid, "bare": bare})
 
 
 # Rules for `flag(valid=...)`: (test, how the valid values read in an error and in --help).
@@ -58,7 +61,7 @@ TASK_DEFAULT = "(default: the task's choice)"
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
 # runs. Everything else would make the resumed run a different experiment.
 RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
-                    "save_every", "keep_checkpoints", "quiet", "searchers", "device",
+                    "save_every", "keep_checkpoints", "quiet", "searchers", "ray", "device",
                     "micro_groups", "micro_completions", "activation_checkpointing", "dtype")
 
 
@@ -152,6 +155,10 @@ class Config:
     # asynchrony
     searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
                                 "(default: GPUs - 1, at least 1)", at_least(0))
+    ray: str = flag("", "run the searchers as Ray actors: 'local' (or --ray alone) starts a Ray "
+                        "cluster on this machine, 'auto' joins the one `ray start` made, "
+                        "HOST:PORT or ray://HOST:PORT another; the trainer stays here "
+                        "(pip install 'ray==2.60.0')", bare="local")
     sync_every: int = flag(None, f"k: publish the trainer's weights every k steps {TASK_DEFAULT}",
                            at_least(1))
     recent_frac: float = flag(None, "m: each sampled group comes from the newest weights in the "
@@ -210,7 +217,8 @@ def build_parser(with_defaults=True):
             parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.__name__]
-            parser.add_argument(name, type=kind, default=default, help=help)
+            bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
+            parser.add_argument(name, type=kind, default=default, help=help, **bare)
     return parser
 
 
@@ -244,6 +252,15 @@ def check_combination(cfg):
         raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
                          "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
                          "to train it off-policy anyway")
+    if cfg.ray:
+        if not cfg.searchers:
+            raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "
+                             "is 0: use --searchers 1 or more")
+        if cfg.ray not in ("local", "auto") and not re.fullmatch(r"(ray://)?[^:\s]+:\d+", cfg.ray):
+            raise ValueError(f"--ray {cfg.ray}: pass local, auto, HOST:PORT or ray://HOST:PORT")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"--ray {cfg.ray}: Ray is not installed: pip install 'ray==2.60.0' "
+                             "(or make install-ray)")
     try:
         device = torch.device(cfg.device)
     except RuntimeError:
@@ -428,7 +445,8 @@ def placement(cfg):
     else:
         searcher_devices = [str(trainer_device)] * cfg.searchers
     cores = os.cpu_count() or 1
-    if trainer_device.type == "cpu" and cfg.searchers > cores:
+    on_this_machine = cfg.ray in ("", "local")
+    if trainer_device.type == "cpu" and on_this_machine and cfg.searchers > cores:
         raise ValueError(f"--searchers {cfg.searchers} needs at least one CPU core each but this "
                          f"machine has {cores}: use --searchers {cores} or fewer")
     return trainer_device, searcher_devices, max(1, cores // (cfg.searchers + 1))
@@ -440,19 +458,6 @@ def evaluate(task, model, tokenizer, ref_model, step, start, log, dtype):
     log.write({"step": step, "time": round(time.time() - start, 3), **metrics})
     tqdm.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics
-
-
-def wait_for_groups(buffer, pool, n_groups, min_version, max_reuse, progress=None):
-    """Block until the buffer holds n_groups fresh enough, and used few enough times, to train
-    on. -> seconds waited"""
-    start = time.time()
-    while (have := buffer.count(min_version, max_reuse)) < n_groups:
-        if progress is not None and have > progress.n:
-            progress.update(have - progress.n)
-        check_stop()
-        pool.poll()
-        time.sleep(0.01)
-    return time.time() - start
 
 
 @dataclass
@@ -472,6 +477,7 @@ class Setup:
     schedule_steps: int               # the lr schedule's length: the run's first --steps
     resumed: dict | None              # the checkpoint's trainer state, on --resume
     buffer: ReplayBuffer | None       # asynchronous runs only; a checkpoint's groups on --resume
+    source_state: dict | None         # the group source's checkpointed state, on --resume
 
 
 def load(cfg):
@@ -496,7 +502,7 @@ def load(cfg):
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
     if cfg.searchers:
-        check_shared_memory(trainer.WeightChannel.bytes_needed(policy)
+        check_shared_memory((0 if cfg.ray else trainer.WeightChannel.bytes_needed(policy))
                             + shared_bytes(cfg.buffer_capacity, cfg.group_size,
                                            max(len(p.ids) for p in prompts), cfg.max_new_tokens))
     resumed = buffer_state = None
@@ -525,8 +531,20 @@ def load(cfg):
                 raise checkpoint.CheckpointError(
                     f"{latest / 'buffer.pt'} is invalid ({e}): delete {latest} to resume from "
                     "the checkpoint before it") from None
+    if cfg.ray:                           # last: nothing after it can fail on bad input
+        try:
+            sources.connect_ray(cfg.ray)
+        except Exception as e:
+            raise ValueError(f"--ray {cfg.ray}: cannot join the Ray cluster ({first_line(e)}): "
+                             "start one with `ray start --head`, or pass --ray local") from None
     return Setup(device, searcher_devices, threads, task, policy, tokenizer, ref_model, prompts,
-                 optimizer, scheduler, scaler, schedule_steps, resumed, buffer)
+                 optimizer, scheduler, scaler, schedule_steps, resumed, buffer,
+                 resumed.get("source") if resumed else None)
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 class RunFailed(Exception):
@@ -534,10 +552,11 @@ class RunFailed(Exception):
 
 
 def train(cfg, setup):
-    """Sample, score, take a trainer step, repeat: in-process (--searchers 0) or from the buffer
-    that searcher processes fill while the trainer learns. `setup` comes from `load(cfg)`."""
+    """Draw groups, take a trainer step, send the weights back, repeat. Where the groups come
+    from (the trainer's own sampling, searcher processes or Ray actors) is the group source's
+    business (`sources.py`). `setup` comes from `load(cfg)`."""
     task, policy, tokenizer, ref_model = setup.task, setup.policy, setup.tokenizer, setup.ref_model
-    optimizer, scheduler, resumed, buffer = setup.optimizer, setup.scheduler, setup.resumed, setup.buffer
+    optimizer, scheduler, resumed = setup.optimizer, setup.scheduler, setup.resumed
     dtype = getattr(torch, cfg.dtype)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -549,22 +568,23 @@ def train(cfg, setup):
                                if resumed else (0, 0, 0))
     start = time.time() - (resumed["elapsed"] if resumed else 0.0)   # wall time spans sessions
 
-    pool = None
+    source = sources.make_source(cfg, setup, check_stop)
     done = start_step                        # the last step whose update is complete
     bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", disable=cfg.quiet,
                dynamic_ncols=True)
 
     def save_checkpoint(step):
+        source_state = source.state_dict()
         state = {"step": step, "samples": samples, "tokens": tokens, "groups": groups,
                  "elapsed": time.time() - start, "schedule_steps": setup.schedule_steps,
                  "task": task.state_dict(),
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "scaler": setup.scaler.state_dict(),
                  "rng": {"torch": torch.get_rng_state(),
-                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                         "sampler": sampler.get_state() if pool else None}}
-        path = checkpoint.save(out, step, policy, tokenizer, state,
-                               buffer.state_dict() if pool else None, cfg.keep_checkpoints)
+                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                 "source": {k: v for k, v in source_state.items() if k != "buffer"}}
+        path = checkpoint.save(out, step, policy, tokenizer, state, source_state.get("buffer"),
+                               cfg.keep_checkpoints)
         if cfg.quiet:
             tqdm.write(f"step {step}: checkpoint {path}")
         return path
@@ -576,67 +596,35 @@ def train(cfg, setup):
                 tqdm.write(f"note: the learning-rate schedule was set for {setup.schedule_steps} "
                            f"steps; steps past them train at lr {scheduler.get_last_lr()[0]:.3g} "
                            "and below", file=sys.stderr)
-        if cfg.searchers:
-            weights = trainer.WeightChannel(policy, cfg.searchers, mp.get_context("spawn"))
-            weights.publish(policy, version=start_step)
-            pool = searcher.SearcherPool(cfg, setup.searcher_devices, setup.threads, buffer, weights)
-            sampler = torch.Generator().manual_seed(cfg.seed)
-        else:
-            batches = searcher.prompt_batches(setup.prompts, cfg.prompts_per_step, cfg.seed)
-            score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
-            for _ in range(start_step):          # the batches the resumed run has already used
-                next(batches)
-        if not resumed:                          # the searchers fill the buffer meanwhile
-            metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log, dtype)
+        source.start(policy, version=start_step)
         if resumed:
+            source.load_state_dict(setup.source_state)
             task.load_state_dict(resumed["task"])
             torch.set_rng_state(resumed["rng"]["torch"])
             if resumed["rng"]["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-            if pool and resumed["rng"]["sampler"] is not None:
-                sampler.set_state(resumed["rng"]["sampler"])
-        if pool:
-            with tqdm(total=max(cfg.min_buffer, cfg.prompts_per_step), desc="filling the buffer",
-                      unit="group", disable=cfg.quiet, leave=False) as fill:
-                wait_for_groups(buffer, pool, fill.total, -1, 0, progress=fill)
+        else:                                    # the searchers fill the buffer meanwhile
+            metrics = evaluate(task, policy, tokenizer, ref_model, 0, start, log, dtype)
+        if source.fill_target:
+            with tqdm(total=source.fill_target, desc="filling the buffer", unit="group",
+                      disable=cfg.quiet, leave=False) as fill:
+                source.fill(fill)
         last = time.time()
         tokens_before, groups_before = tokens, groups    # a resumed run's earlier sessions
         for step in range(start_step + 1, cfg.steps + 1):
             check_stop()
             version = step - 1                   # updates the policy has had before this step
             beta = trainer.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
-            wait_s = sync_s = search_s = 0.0
-            if pool:
-                min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
-                wait_s = wait_for_groups(buffer, pool, cfg.prompts_per_step, min_version,
-                                         cfg.max_reuse)
-                batch = buffer.sample(cfg.prompts_per_step, cfg.recent_frac,
-                                      cfg.priority_temp or None, sampler, min_version,
-                                      cfg.max_reuse)
-            else:
-                t0 = time.time()
-                batch, _ = searcher.sample_groups(policy, ref_model, tokenizer, task, next(batches),
-                                                  cfg.group_size, cfg.max_new_tokens,
-                                                  cfg.temperature, version, dtype=dtype,
-                                                  score_batch=score_batch)
-                search_s = time.time() - t0
-                tokens += int(batch.response_len.sum())
-                groups += len(batch.version)
+            batch, source_metrics = source.next_batch(version)
             lr = scheduler.get_last_lr()[0]
             t0 = time.time()
             stats = trainer.train_step(policy, optimizer, scheduler, batch, beta, cfg.loss,
                                        cfg.temperature, cfg.micro_groups, cfg.max_grad_norm,
                                        cfg.micro_completions, dtype, setup.scaler)
             train_s = time.time() - t0
-            if pool and step % cfg.sync_every == 0:
-                t0 = time.time()
-                weights.publish(policy, version=step)
-                sync_s = time.time() - t0
-            if pool:
-                pool.poll()
-                tokens = tokens_before + pool.tokens
-                groups = groups_before + pool.groups
-            infos = pool.take_infos() if pool else [batch.info] if batch.info is not None else []
+            sync_s = source.publish(policy, version=step) if step % cfg.sync_every == 0 else 0.0
+            source.poll()
+            tokens, groups = tokens_before + source.tokens, groups_before + source.groups
             samples += batch.reward.numel()
             now = time.time()
             staleness = (version - batch.version).float()
@@ -644,14 +632,10 @@ def train(cfg, setup):
                    "beta": beta, "lr": lr, "version": version,
                    "staleness_mean": staleness.mean().item(),
                    "staleness_max": staleness.max().item(),
-                   "reuse_mean": batch.draws.float().mean().item() if pool else 1.0,
-                   "buffer_groups": len(buffer) if pool else 0,
-                   "recent_frac_actual": batch.recent_count / len(batch.version) if pool else 1.0,
-                   "trainer_wait_s": round(wait_s, 4), "sync_s": round(sync_s, 4),
-                   "search_s": round(search_s, 4), "train_s": round(train_s, 4),
+                   **source_metrics, "sync_s": round(sync_s, 4), "train_s": round(train_s, 4),
                    "gen_groups": groups, "gen_tokens_per_s": round(tokens / (now - start), 2),
                    "samples_per_s": round(batch.reward.numel() / (now - last), 2),
-                   **task.search_metrics(infos)}
+                   **task.search_metrics(source.take_infos())}
             log.write(row)
             last, done = now, step
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3g}",
@@ -676,9 +660,7 @@ def train(cfg, setup):
                         f"{out / 'error.log'})") from e
     finally:
         bar.close()
-        if pool:
-            pool.close()
-            weights.close()
+        source.close()
     summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
     print(f"final ({cfg.steps} steps, {time.time() - start:.0f} s, {samples} samples): {summary}")
     print(f"the trained model is in {out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")

@@ -332,7 +332,13 @@ class WeightChannel:
             version = int(self.slot_version[slot])
             if version <= current_version:
                 return current_version
-            state = model.state_dict()            # the model's own tensors: copy in place
-            for name in self.names:
-                state[name].copy_(self.slots[slot][name])
+            copy_weights(model, self.slots[slot])
         return version
+
+
+@torch.no_grad()
+def copy_weights(model, state):
+    """Copy a `shipped_state` into the model's own tensors, in place (tied ones are set once)."""
+    own = model.state_dict()
+    for name, value in state.items():
+        own[name].copy_(value)

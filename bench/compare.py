@@ -59,6 +59,8 @@ TASKS = {
         columns={"win_rate": ("eval win rate (end)", 3, lambda t, e: e[-1]["eval/win_rate"]),
                  "best_win_rate": ("best eval win rate", 3, lambda t, e: max(r["eval/win_rate"] for r in e)),
                  "reward": ("eval reward (end)", 3, lambda t, e: e[-1]["eval/reward_mean"]),
+                 "sampled_reward": ("eval reward of samples (end)", 3,
+                                    lambda t, e: e[-1]["eval/sampled_reward_mean"]),
                  "kl": ("eval KL (end, nats)", 2, lambda t, e: e[-1]["eval/kl"]),
                  "length": ("eval length (tokens)", 1, lambda t, e: e[-1]["eval/length"]),
                  **{f"win_{s}s": (f"win rate by {s // 60} min", 3, lambda t, e, s=s: last_before(

@@ -31,7 +31,8 @@ Reward (`--reward-model`):
 Evaluation on `--eval-n` test posts: greedy summaries, their `eval/reward_mean` and
 `eval/length` (tokens); `eval/win_rate`, the share whose `--judge-model` score beats the
 baseline's (ties count half); `eval/kl`, the mean of log p_θ − log p_ref over one sampled summary per post (the
-policy's own samples, at the training temperature). The baseline is the reference summary under
+policy's own samples, at the training temperature), and `eval/sampled_reward_mean`, their reward:
+TB trains the sampling distribution, which can improve while the greedy summary stays put. The baseline is the reference summary under
 a learned judge, as in the paper; under the similarity stand-in the reference is the target
 itself (it always wins), so the baseline is the initial policy's greedy summary.
 """
@@ -261,9 +262,12 @@ class SummarizeTask(Task):
         reward = self.reward_model(texts, greedy, references)                    # [N]
         wins = win_rate(self.judge(texts, greedy, references),
                         self.judge(texts, self.baseline, references))              # [N]
+        kl, sampled = self.kl(model, ref_model, tokenizer, prompts)
+        sampled_reward = self.reward_model(texts, sampled, references)                # [N]
         metrics = {"eval/reward_mean": reward.mean().item(),
                    "eval/win_rate": wins.mean().item(),
-                   "eval/kl": self.kl(model, ref_model, tokenizer, prompts),
+                   "eval/kl": kl,
+                   "eval/sampled_reward_mean": sampled_reward.mean().item(),
                    "eval/length": length, "eval/n": len(prompts)}
         if self.cfg.out:
             with open(Path(self.cfg.out) / "samples.jsonl", "a") as f:
@@ -286,21 +290,23 @@ class SummarizeTask(Task):
         return summaries, sum(lengths) / len(lengths)
 
     def kl(self, model, ref_model, tokenizer, prompts):
-        """Mean of log p_θ(y) − log p_ref(y) over one sampled summary y ~ p_θ per prompt."""
+        """Mean of log p_θ(y) − log p_ref(y) over one sampled summary y ~ p_θ per prompt.
+        -> (that mean, the sampled summaries)"""
         from buffer import GroupBatch
-        total = []
+        total, summaries = [], []
         for i in range(0, len(prompts), self.cfg.eval_batch_size):
             part = prompts[i:i + self.cfg.eval_batch_size]
             prompt_ids, prompt_mask, response_ids, response_len = models.generate(
                 model, tokenizer, [p.ids for p in part], max_new_tokens=self.cfg.max_new_tokens,
                 temperature=self.cfg.temperature)
+            summaries += models.decode(tokenizer, response_ids, response_len)
             zeros = torch.zeros(response_len.shape)
             batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, zeros, zeros,
                                torch.zeros(len(part), dtype=torch.long), torch.arange(len(part)))
             inputs = group_inputs(batch)
             total.append(sequence_logprobs(model, *inputs, self.cfg.temperature)
                          - sequence_logprobs(ref_model, *inputs, self.cfg.temperature))
-        return torch.cat(total).mean().item()
+        return torch.cat(total).mean().item(), summaries
 
 
 class TldrTask(SummarizeTask):

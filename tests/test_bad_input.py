@@ -1,5 +1,6 @@
 """Bad input and failures part-way: every bad setting is one `error:` line and exit 2 before
 anything is written; a failing run (NaN, an exception) stops with exit 1 and how to continue."""
+import importlib.util
 import json
 import math
 import shutil
@@ -91,6 +92,12 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
     (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),
     (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
+    (["--ray", "local", "--searchers", "0"], "--ray local runs the searchers as Ray actors, but "
+                                             "--searchers is 0"),
+    (["--ray", "127.0.0.1:abc"], "--ray 127.0.0.1:abc: pass local, auto, HOST:PORT"),
+    pytest.param(["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: cannot join the Ray cluster",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                          reason="Ray is the optional --ray extra")),
     # the machine and the output folder
     (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
     (["--device", "gpu"], "--device 'gpu' is not a torch device"),

@@ -67,6 +67,18 @@ def test_resume_gives_the_same_run(tmp_path, monkeypatch):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_may_switch_between_the_synchronous_loop_and_searchers(tmp_path):
+    """Where the groups come from may change on resume: 2 synchronous steps, 2 with a searcher
+    (an empty buffer, no sampler state yet), 2 synchronous again (no batch count to skip)."""
+    run = tmp_path / "run"
+    assert tba.main([*TOY, "--steps", "2", "--out", str(run)]) == 0
+    assert tba.main(["--resume", str(run), "--steps", "4", "--searchers", "1"]) == 0
+    assert tba.main(["--resume", str(run), "--steps", "6", "--searchers", "0"]) == 0
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["buffer_groups"] > 0 for r in rows] == [False, False, True, True, False, False]
+
+
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert tba.main([*TOY, "--steps", "4", "--save-every", "2", "--out", str(run)]) == 0
