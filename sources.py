@@ -182,10 +182,11 @@ class SearcherProcesses(Replay):
             self.weights.close()
 
 
-def connect_ray(address):
+def connect_ray(address, searchers):
     """Join the Ray cluster at `address` ('auto': the one `ray start` made on this machine), or
-    start one on this machine ('local'). Code travels with the job (the repository folder, less
-    run folders); each node needs the Python packages."""
+    start one on this machine ('local'), and check that it can hold the searchers (else their
+    actors would wait for ever). Code travels with the job (the repository folder, less run
+    folders); each node needs the Python packages."""
     import ray
     runtime_env = {"working_dir": str(REPO), "excludes": ["runs/", "notebooks/"]}
     if address == "local":
@@ -203,6 +204,11 @@ def connect_ray(address):
             with socket.create_connection((host, int(port)), timeout=10):
                 pass
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if cpus < searchers:
+        ray.shutdown()
+        raise ValueError(f"--searchers {searchers}: the Ray cluster at {address} has {cpus} CPU(s), "
+                         f"one per searcher is needed: use --searchers {cpus} or add nodes")
 
 
 class RaySearcher:
@@ -243,12 +249,12 @@ class RaySearchers(Replay):
         super().__init__(cfg, buffer, interrupt)
         self.ray, self.threads = ray, threads
         self.actors, self.requests = [], {}            # request reference -> searcher rank
-        self.sync_bytes = 0                            # bytes of the last weights sent
 
     def start(self, policy, version):
         ray = self.ray
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        actor = ray.remote(RaySearcher).options(num_cpus=self.threads, num_gpus=gpus,
+        # One CPU each for Ray's bookkeeping; the actor still runs `threads` torch threads.
+        actor = ray.remote(RaySearcher).options(num_cpus=1, num_gpus=gpus,
                                                 scheduling_strategy="SPREAD", max_restarts=0)
         self.actors = [actor.remote(rank, self.cfg, self.threads)
                        for rank in range(self.cfg.searchers)]
@@ -262,7 +268,6 @@ class RaySearchers(Replay):
     def publish(self, policy, version):
         t0 = time.time()
         state = {k: v.detach().to("cpu") for k, v in trainer.WeightChannel.shipped_state(policy).items()}
-        self.sync_bytes = sum(v.numel() * v.element_size() for v in state.values())
         state_ref = self.ray.put(state)
         for a in self.actors:
             a.set_weights.remote(state_ref, version)

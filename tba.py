@@ -533,7 +533,9 @@ def load(cfg):
                     "the checkpoint before it") from None
     if cfg.ray:                           # last: nothing after it can fail on bad input
         try:
-            sources.connect_ray(cfg.ray)
+            sources.connect_ray(cfg.ray, cfg.searchers)
+        except ValueError:
+            raise
         except Exception as e:
             raise ValueError(f"--ray {cfg.ray}: cannot join the Ray cluster ({first_line(e)}): "
                              "start one with `ray start --head`, or pass --ray local") from None

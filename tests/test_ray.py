@@ -97,3 +97,12 @@ def test_a_killed_ray_searcher_stops_the_run_with_a_clear_error(cluster, tmp_pat
 def test_ray_alone_means_a_cluster_on_this_machine():
     assert tba.parse_args(["--ray"])[0].ray == "local"
     assert tba.parse_args(["--ray", "auto"])[0].ray == "auto"
+
+
+def test_more_searchers_than_the_cluster_holds_is_bad_input(cluster, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert tba.main(["--task", "toy", "--searchers", "3", "--ray", cluster.address,
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the Ray cluster at" in err[0] and "has 2 CPU(s)" in err[0], err
+    assert not out.exists()
