@@ -123,8 +123,7 @@ class Searcher:
 
     def search(self, version, stop_event=None):
         """One batch of groups from the current weights. -> (prompt ids, GroupBatch on the CPU,
-        report: tokens, seconds, groups, mean reward and the task's `score` info)"""
-        start = time.time()
+        report: tokens and groups generated, the task's `score` info)"""
         prompts = next(self.batches)
         batch, _ = sample_groups(self.policy, self.ref_model, self.tokenizer, self.task, prompts,
                                  self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
@@ -132,8 +131,7 @@ class Searcher:
         batch = batch.to("cpu")
         info, batch.info = batch.info, None
         report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),
-                  "seconds": time.time() - start, "groups": len(prompts),
-                  "reward": batch.reward.mean().item(), "info": info}
+                  "groups": len(prompts), "info": info}
         return [p.ids for p in prompts], batch, report
 
 
