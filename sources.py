@@ -182,28 +182,38 @@ class SearcherProcesses(Replay):
             self.weights.close()
 
 
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def connect_ray(address, searchers):
     """Join the Ray cluster at `address` ('auto': the one `ray start` made on this machine), or
     start one on this machine ('local'), and check that it can hold the searchers (else their
-    actors would wait for ever). Code travels with the job (the repository folder, less run
-    folders); each node needs the Python packages."""
+    actors would wait for ever). Any failure is a ValueError: bad input, before anything is
+    written. Code travels with the job (the repository folder, less run folders); each node
+    needs the Python packages."""
     import ray
     runtime_env = {"working_dir": str(REPO), "excludes": ["runs/", "notebooks/"]}
-    if address == "local":
-        # Ray starts its workers at nice 15, to keep its own daemons responsive. A searcher is
-        # the run's heavy work, though: at nice 15 beside a busy trainer or another job it got a
-        # fortieth of the CPU here (0.85 s a toy batch instead of 0.02). Clusters made with
-        # `ray start` take the same variable (see the README).
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=runtime_env,
-                 logging_level=logging.WARNING)
-    else:
-        if ":" in address and not address.startswith("ray://"):
-            # Ray retries an address where nothing listens for minutes: ask once, quickly.
-            host, port = address.rsplit(":", 1)
-            with socket.create_connection((host, int(port)), timeout=10):
-                pass
-        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+    try:
+        if address == "local":
+            # Ray starts its workers at nice 15, to keep its own daemons responsive. A searcher
+            # is the run's heavy work, though: at nice 15 beside a busy trainer or another job it
+            # got a fortieth of the CPU here (0.85 s a toy batch instead of 0.02). Clusters made
+            # with `ray start` take the same variable (see the README).
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=runtime_env,
+                     logging_level=logging.WARNING)
+        else:
+            if ":" in address and not address.startswith("ray://"):
+                # Ray retries an address where nothing listens for minutes: ask once, quickly.
+                host, port = address.rsplit(":", 1)
+                with socket.create_connection((host, int(port)), timeout=10):
+                    pass
+            ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+    except Exception as e:
+        raise ValueError(f"--ray {address}: cannot join the Ray cluster ({first_line(e)}): "
+                         "start one with `ray start --head`, or pass --ray local") from None
     cpus = int(ray.cluster_resources().get("CPU", 0))
     if cpus < searchers:
         ray.shutdown()
@@ -289,8 +299,7 @@ class RaySearchers(Replay):
         try:
             return ray.get(request)
         except ray.exceptions.ActorDiedError as e:
-            raise SearcherError(f"{who} (a Ray actor) died: "
-                                f"{str(e).strip().splitlines()[0]}") from None
+            raise SearcherError(f"{who} (a Ray actor) died: {first_line(e)}") from None
         except ray.exceptions.RayError as e:
             raise SearcherError(f"{who} (a Ray actor) failed:\n{e}") from None
 

@@ -532,21 +532,10 @@ def load(cfg):
                     f"{latest / 'buffer.pt'} is invalid ({e}): delete {latest} to resume from "
                     "the checkpoint before it") from None
     if cfg.ray:                           # last: nothing after it can fail on bad input
-        try:
-            sources.connect_ray(cfg.ray, cfg.searchers)
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"--ray {cfg.ray}: cannot join the Ray cluster ({first_line(e)}): "
-                             "start one with `ray start --head`, or pass --ray local") from None
+        sources.connect_ray(cfg.ray, cfg.searchers)
     return Setup(device, searcher_devices, threads, task, policy, tokenizer, ref_model, prompts,
                  optimizer, scheduler, scaler, schedule_steps, resumed, buffer,
                  resumed.get("source") if resumed else None)
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 class RunFailed(Exception):
