@@ -85,7 +85,9 @@ class Config:
                                 at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
                                    "at --temperature and log their mean reward as "
-                                   f"eval/sampled_accuracy (0: greedy only) {TASK_DEFAULT}",
+                                   "eval/sampled_accuracy (0: greedy only); summarize, tldr: "
+                                   "summaries sampled per test text for eval/win_rate and "
+                                   f"eval/kl (at least 1) {TASK_DEFAULT}",
                              at_least(0))
     arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}",
                              within(1, 9))
@@ -241,6 +243,10 @@ def check_ranges(cfg):
 
 def check_combination(cfg):
     """The rules that tie fields together."""
+    task = tasks.task_class(cfg.task)
+    if cfg.eval_samples < task.min_eval_samples:
+        raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on sampled "
+                         f"completions: use {task.min_eval_samples} or more")
     if cfg.searchers and cfg.buffer_capacity < max(cfg.min_buffer, cfg.prompts_per_step):
         raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the "
                          f"{max(cfg.min_buffer, cfg.prompts_per_step)} groups the trainer waits "

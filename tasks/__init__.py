@@ -29,6 +29,8 @@ class Task:
     name = ""
     # Does `evaluate` use the reference model? If not, an asynchronous trainer keeps no copy.
     eval_needs_reference = False
+    # The fewest --eval-samples its evaluation works with (0: it can evaluate greedily only).
+    min_eval_samples = 0
     # Config fields a task chooses when the user leaves them unset (None on the command line).
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,

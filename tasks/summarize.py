@@ -187,17 +187,20 @@ def load_reward(name, device):
 class SummarizeTask(Task):
     name = "summarize"
     eval_needs_reference = True          # eval/kl, and the initial policy's summaries
-    # For SmolLM2-135M on a 2-core CPU: 4 abstracts × 4 summaries of at most 48 tokens. The
-    # similarity reward spreads ~0.1-0.2 within a group; β = 0.02 makes that 5-10 nats of r/β.
-    # ACL abstracts take 110-1,323 tokens as chat prompts (median ~200) and a batch is padded
-    # to its longest: prompts over 256 tokens are skipped, or one long abstract would double
-    # a step's time. micro_groups=1: with the 16 summaries of a step in one pass the trainer
-    # reached 10 GB; one abstract's 4 at a time keep its activations near 2 GB.
-    defaults = dict(Task.defaults, dataset=ACLSUM, steps=30, prompts_per_step=4, group_size=4,
+    min_eval_samples = 1                 # win rate and KL are measured on sampled summaries
+    # For SmolLM2-135M on a 2-core CPU (~25 s a step, ~7 min a run in bfloat16): 12 steps of
+    # 4 abstracts × 4 summaries of at most 48 tokens. The similarity reward spreads ~0.1-0.2
+    # within a group; β = 0.02 makes that 5-10 nats of r/β. ACL abstracts take 110-1,323 tokens
+    # as chat prompts (median ~200) and a batch is padded to its longest: prompts over 192
+    # tokens are skipped (45 training and 50 test abstracts stay), or one long abstract would
+    # double a step's time. micro_groups=1: with the 16 summaries of a step in one pass the
+    # trainer reached 10 GB; one abstract's 4 at a time keep its activations near 2 GB.
+    # Evaluation (~35 s): 2 sampled and 1 greedy summary of 16 test abstracts, every 6 steps.
+    defaults = dict(Task.defaults, dataset=ACLSUM, steps=12, prompts_per_step=4, group_size=4,
                     max_new_tokens=48, temperature=0.7, beta=0.02, beta_final=0.02,
-                    beta_steps=0, lr=3e-5, warmup_steps=3, decay_steps=10, eval_every=10,
-                    eval_n=16, sync_every=2, recent_frac=0.5, min_buffer=4,
-                    buffer_capacity=500, save_every=10, max_prompt_len=256,
+                    beta_steps=0, lr=3e-5, warmup_steps=2, decay_steps=6, eval_every=6,
+                    eval_n=16, eval_samples=2, sync_every=2, recent_frac=0.5, min_buffer=4,
+                    buffer_capacity=500, save_every=6, max_prompt_len=192,
                     micro_groups=1)
 
     def __init__(self, cfg):
@@ -253,60 +256,76 @@ class SummarizeTask(Task):
     def evaluate(self, model, tokenizer, ref_model, step=None):
         prompts = self.prompts("test", tokenizer)
         prompts = prompts[:self.cfg.eval_n] if self.cfg.eval_n else prompts
+        n = self.cfg.eval_samples
         texts = [self.examples("test")[p.index][0] for p in prompts]
         references = [p.answer for p in prompts]
-        greedy, length = self.summarize(model, tokenizer, prompts, greedy=True)
+        texts_n, references_n = ([x for x in xs for _ in range(n)] for xs in (texts, references))
+        sampled, length, kl = self.sample(model, tokenizer, prompts, n, ref_model)      # N·n
+        greedy, _, _ = self.summarize(model, tokenizer, prompts, greedy=True)           # N
         if self.baseline is None:            # once per run (see the module's docstring)
-            self.baseline = (self.summarize(ref_model, tokenizer, prompts, greedy=True)[0]
-                             if isinstance(self.judge, SimilarityReward) else references)
-        reward = self.reward_model(texts, greedy, references)                    # [N]
-        wins = win_rate(self.judge(texts, greedy, references),
-                        self.judge(texts, self.baseline, references))              # [N]
-        kl, sampled = self.kl(model, ref_model, tokenizer, prompts)
-        sampled_reward = self.reward_model(texts, sampled, references)                # [N]
-        metrics = {"eval/reward_mean": reward.mean().item(),
-                   "eval/win_rate": wins.mean().item(),
+            if not isinstance(self.judge, SimilarityReward):
+                self.baseline = references_n, references
+            elif step == 0:                  # the policy is still the reference
+                self.baseline = sampled, greedy
+            else:
+                self.baseline = (self.sample(ref_model, tokenizer, prompts, n)[0],
+                                 self.summarize(ref_model, tokenizer, prompts, greedy=True)[0])
+            self.baseline_scores = (self.judge(texts_n, self.baseline[0], references_n),
+                                    self.judge(texts, self.baseline[1], references))
+        reward = self.reward_model(texts_n, sampled, references_n)                      # [N·n]
+        greedy_reward = self.reward_model(texts, greedy, references)                    # [N]
+        judged = (reward, greedy_reward) if self.judge is self.reward_model else (
+            self.judge(texts_n, sampled, references_n), self.judge(texts, greedy, references))
+        wins = win_rate(judged[0], self.baseline_scores[0])                             # [N·n]
+        greedy_wins = win_rate(judged[1], self.baseline_scores[1])                      # [N]
+        metrics = {"eval/win_rate": wins.mean().item(),
+                   "eval/reward_mean": reward.mean().item(),
                    "eval/kl": kl,
-                   "eval/sampled_reward_mean": sampled_reward.mean().item(),
-                   "eval/length": length, "eval/n": len(prompts)}
+                   "eval/length": length,
+                   "eval/greedy_win_rate": greedy_wins.mean().item(),
+                   "eval/greedy_reward_mean": greedy_reward.mean().item(),
+                   "eval/n": len(prompts)}
         if self.cfg.out:
             with open(Path(self.cfg.out) / "samples.jsonl", "a") as f:
                 for i in range(min(SAMPLES_LOGGED, len(prompts))):
-                    f.write(json.dumps({"step": step, "summary": greedy[i],
-                                        "reference": references[i], "reward": reward[i].item(),
-                                        "win": wins[i].item()}) + "\n")
+                    f.write(json.dumps({"step": step, "summary": sampled[i * n],
+                                        "greedy": greedy[i], "reference": references[i],
+                                        "reward": reward[i * n].item(),
+                                        "win": wins[i * n].item()}) + "\n")
         return metrics
 
-    def summarize(self, model, tokenizer, prompts, greedy):
-        """One summary per prompt, in batches. -> (summaries, mean length in tokens)"""
-        summaries, lengths = [], []
-        for i in range(0, len(prompts), self.cfg.eval_batch_size):
-            part = prompts[i:i + self.cfg.eval_batch_size]
-            _, _, response_ids, response_len = models.generate(
-                model, tokenizer, [p.ids for p in part], max_new_tokens=self.cfg.max_new_tokens,
-                temperature=self.cfg.temperature, greedy=greedy)
-            summaries += models.decode(tokenizer, response_ids, response_len)
-            lengths += response_len.flatten().tolist()
-        return summaries, sum(lengths) / len(lengths)
+    def sample(self, model, tokenizer, prompts, n, ref_model=None):
+        """`summarize` with the same random draws at every evaluation (seeded by --seed, the
+        training stream left as it was): the policy and the baseline are compared on common
+        random numbers, so a win is a change of the policy, not of the dice."""
+        with torch.random.fork_rng():
+            torch.manual_seed(self.cfg.seed)
+            return self.summarize(model, tokenizer, prompts, greedy=False, n=n, ref_model=ref_model)
 
-    def kl(self, model, ref_model, tokenizer, prompts):
-        """Mean of log p_θ(y) − log p_ref(y) over one sampled summary y ~ p_θ per prompt.
-        -> (that mean, the sampled summaries)"""
+    def summarize(self, model, tokenizer, prompts, greedy, n=1, ref_model=None):
+        """`n` summaries per prompt at the training temperature (one if greedy), in batches.
+        -> (N·n summaries, their mean length in tokens, and with a `ref_model` the mean over
+        them of log p_θ(y) − log p_ref(y): the KL of the policy from the reference, else None)"""
         from buffer import GroupBatch
-        total, summaries = [], []
+        summaries, lengths, log_ratios = [], [], []
         for i in range(0, len(prompts), self.cfg.eval_batch_size):
             part = prompts[i:i + self.cfg.eval_batch_size]
             prompt_ids, prompt_mask, response_ids, response_len = models.generate(
-                model, tokenizer, [p.ids for p in part], max_new_tokens=self.cfg.max_new_tokens,
-                temperature=self.cfg.temperature)
+                model, tokenizer, [p.ids for p in part], num_samples=1 if greedy else n,
+                max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                greedy=greedy)                            # response_ids [b, n, R], len [b, n]
             summaries += models.decode(tokenizer, response_ids, response_len)
-            zeros = torch.zeros(response_len.shape)
-            batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, zeros, zeros,
-                               torch.zeros(len(part), dtype=torch.long), torch.arange(len(part)))
-            inputs = group_inputs(batch)
-            total.append(sequence_logprobs(model, *inputs, self.cfg.temperature)
-                         - sequence_logprobs(ref_model, *inputs, self.cfg.temperature))
-        return torch.cat(total).mean().item(), summaries
+            lengths += response_len.flatten().tolist()
+            if ref_model is not None:
+                zeros = torch.zeros(response_len.shape)
+                batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, zeros,
+                                   zeros, torch.zeros(len(part), dtype=torch.long),
+                                   torch.arange(len(part)))
+                inputs = group_inputs(batch)
+                log_ratios.append(sequence_logprobs(model, *inputs, self.cfg.temperature)
+                                  - sequence_logprobs(ref_model, *inputs, self.cfg.temperature))
+        kl = torch.cat(log_ratios).mean().item() if log_ratios else None
+        return summaries, sum(lengths) / len(lengths), kl
 
 
 class TldrTask(SummarizeTask):

@@ -88,6 +88,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--task", "arith", "--arith-ops", "+/"], "--arith-ops must be made of + - *"),
     (["--task", "arith", "--prompt-style", "fancy"], "--prompt-style must be one of auto, chat"),
     # combinations
+    (["--task", "summarize", "--eval-samples", "0"], "--eval-samples 0: summarize evaluates on sampled"),
     (["--buffer-capacity", "3"], "--buffer-capacity 3 is below the 4 groups the trainer waits"),
     (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
     (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),

@@ -80,13 +80,27 @@ def test_kl_is_zero_for_the_reference_and_positive_away_from_it(tiny_model_dir):
     summarize = task("--model", str(tiny_model_dir), "--max-new-tokens", "6")
     model, tokenizer = summarize.load_model("cpu")
     prompts = summarize.prompts("test", tokenizer)[:8]
-    kl, sampled = summarize.kl(model, model, tokenizer, prompts)
-    assert kl == 0.0 and len(sampled) == 8 and all(isinstance(t, str) for t in sampled)
+    sampled, length, kl = summarize.summarize(model, tokenizer, prompts, greedy=False, n=2,
+                                              ref_model=model)
+    assert kl == 0.0 and len(sampled) == 16 and all(isinstance(t, str) for t in sampled)
+    assert 1 <= length <= 6
     moved = models.load_model(tiny_model_dir)[0]
     with torch.no_grad():
         moved.lm_head.weight.mul_(30)                  # a much sharper policy than the reference
     torch.manual_seed(0)
-    assert summarize.kl(moved, model, tokenizer, prompts)[0] > 1.0
+    assert summarize.summarize(moved, tokenizer, prompts, False, 2, ref_model=model)[2] > 1.0
+
+
+def test_evaluation_draws_the_same_dice_every_time_and_leaves_training_rng_alone(tiny_model_dir):
+    summarize = task("--model", str(tiny_model_dir), "--max-new-tokens", "6")
+    model, tokenizer = summarize.load_model("cpu")
+    prompts = summarize.prompts("test", tokenizer)[:4]
+    torch.manual_seed(123)
+    first = summarize.sample(model, tokenizer, prompts, 2)[0]
+    after_first = torch.rand(1)
+    torch.manual_seed(123)
+    second = summarize.sample(model, tokenizer, prompts, 2)[0]
+    assert first == second and torch.equal(torch.rand(1), after_first)
 
 
 def test_loaders(tmp_path):
@@ -115,8 +129,10 @@ def test_short_runs(searchers, tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     evals = [r for r in rows if "eval/win_rate" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    assert evals[0]["eval/win_rate"] == 0.5 and evals[0]["eval/kl"] == 0.0   # policy = reference
-    assert {"eval/reward_mean", "eval/sampled_reward_mean", "eval/length", "eval/n"} <= set(evals[-1])
-    assert -1.0 <= evals[-1]["eval/sampled_reward_mean"] <= 1.0        # a cosine, less a penalty
+    # at step 0 the policy is the reference and, on the same dice, writes the baseline itself
+    assert evals[0]["eval/win_rate"] == evals[0]["eval/greedy_win_rate"] == 0.5
+    assert evals[0]["eval/kl"] == 0.0
+    assert {"eval/reward_mean", "eval/greedy_reward_mean", "eval/length", "eval/n"} <= set(evals[-1])
+    assert -1.0 <= evals[-1]["eval/reward_mean"] <= 1.0                # a cosine, less a penalty
     samples = [json.loads(line) for line in open(run / "samples.jsonl")]
-    assert {"summary", "reference", "reward", "win"} <= set(samples[0])
+    assert {"summary", "greedy", "reference", "reward", "win"} <= set(samples[0])
