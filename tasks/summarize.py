@@ -28,13 +28,15 @@ Reward (`--reward-model`):
   `cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr`), scoring the text
   post + "\nTL;DR:" + " " + summary, the format the TL;DR reward models were trained on.
 
-Evaluation on `--eval-n` test posts: greedy summaries, their `eval/reward_mean` and
-`eval/length` (tokens); `eval/win_rate`, the share whose `--judge-model` score beats the
-baseline's (ties count half); `eval/kl`, the mean of log p_θ − log p_ref over one sampled summary per post (the
-policy's own samples, at the training temperature), and `eval/sampled_reward_mean`, their reward:
-TB trains the sampling distribution, which can improve while the greedy summary stays put. The baseline is the reference summary under
-a learned judge, as in the paper; under the similarity stand-in the reference is the target
-itself (it always wins), so the baseline is the initial policy's greedy summary.
+Evaluation on `--eval-n` test posts: `--eval-samples` summaries per post sampled at the training
+temperature (the distribution TB trains, which can improve while the greedy summary stays put),
+with the same random draws at every evaluation. `eval/win_rate` is the share whose `--judge-model` score beats the baseline's (ties
+count half), `eval/reward_mean` and `eval/length` (tokens) their reward and length, `eval/kl`
+the mean of log p_θ − log p_ref over them (the policy's drift from the reference). Beside them
+one greedy summary per post: `eval/greedy_win_rate`, `eval/greedy_reward_mean`. The baseline is
+the reference summary under a learned judge, as in the paper; under the similarity stand-in the
+reference is the target itself (it always wins), so the baseline is the initial policy's own
+summaries, drawn with the same dice: 0.5 at step 0, and above 0.5 means better than before.
 """
 import functools
 import importlib.util
