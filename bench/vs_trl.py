@@ -1,0 +1,341 @@
+"""tba against TRL's GRPOTrainer: same task, model, prompts, reward, budget and evaluation.
+
+    pip install "trl==1.16.0" "torch==2.13.0" "transformers==5.23.0"   # TRL: this bench only
+    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, ~2-3 h on 2 cores
+    python bench/vs_trl.py --quick      # seed 0, 4 steps, 32 test problems: ~10 min
+    python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
+                                        # with the settings these tba.py flags would use
+
+A researcher choosing between tba and TRL asks: does it learn as well, and is it faster? Each
+system trains SmolLM2-135M-Instruct on the CPU with the task's tba defaults (arith: 25 steps of
+B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.05, AdamW at lr 3e-5
+with warm-up-stable-decay 5/10 steps), each run in a fresh process on all cores:
+  tba-sync        python tba.py --searchers 0   on-policy trajectory balance, one process
+  tba-async       python tba.py --searchers 1   a searcher process and the trainer, a core each
+  trl-default     trl.GRPOTrainer, GRPOConfig defaults except the matched settings below
+  trl-comparable  the same, with TRL's compute made tba's: activation_checkpointing (TRL's
+                  gradient_checkpointing) and bf16 as tba runs the task (arith: both off; the
+                  report prints the exact difference). TRL's defaults turn both on. bf16 makes
+                  accelerate wrap the model's forward in bfloat16 autocast, so TRL samples
+                  (`generate` too), scores and trains in bfloat16 where tba uses float32 on a
+                  CPU (--dtype auto). Checkpointing recomputes each decoder layer in backward;
+                  TRL switches it off around `generate`, so it leaves the generation cache on.
+Matched (tba setting -> GRPOConfig field or GRPOTrainer argument):
+  train prompts, in the order tba-sync draws them -> a Dataset of the formatted texts (str
+      prompts: TRL tokenises them as they are; the run checks they give tba's token ids, so no
+      second chat template or BOS), shuffle_dataset=False
+  reward -> reward_funcs=[task.reward on the same Prompt objects, looked up by index]
+  B x K completions per step, each trained on once -> per_device_train_batch_size = K x
+      (--micro-groups or B), gradient_accumulation_steps = the rest of B, num_iterations=1
+  K, max_new_tokens, temperature -> num_generations, max_completion_length, temperature
+      (top_p=1, top_k=0: pure sampling, TRL's defaults too)
+  β -> beta (TB's target p_ref·exp(r/β) is the optimum of RL with KL coefficient β)
+  AdamW and the WSD schedule -> optimizers=trainer.make_optimizer(...) (weight decay 0),
+      learning_rate=lr (recorded only); --max-grad-norm -> max_grad_norm; steps -> max_steps
+  seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (tba.placement)
+  no checkpoints mid-run, log every step -> tba --save-every 0; save_strategy="no",
+      logging_steps=1, report_to="none"
+The algorithm stays TRL's own: GRPO advantages scaled by the group's standard deviation
+(scale_rewards="group"), loss_type="dapo", a per-token k3 KL estimate; so β weighs the KL
+against a normalised advantage in TRL and against r itself in TB.
+Evaluation is the project's: greedy accuracy on the same first --eval-n test problems, at
+step 0, every --eval-every steps and at the end, in float32 and eval mode for every system.
+`time` is wall time since training began (after the models are loaded), evaluations included,
+as tba's metrics.jsonl counts it; TRL runs write their rows in the same format. s per step
+leaves evaluations out; tba-async's first step includes the searcher's start-up. The report
+gives each figure as mean ± sd [min–max] over the seeds, then whether the issue's goal is met
+(tba's mean end accuracy at least the best TRL row's; its mean time to --target at most half
+the fastest TRL row's). Runs go seed by seed (a stopped bench has every system for the first
+seeds); a finished run in --runs is skipped, an unfinished one is started again. Every run
+folder holds a metrics.jsonl in tba's format: `python tba.py plot DIR [DIR ...]` draws them.
+"""
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compare import REPO, last_before, spread      # also puts the repo on sys.path
+import plot
+import searcher
+import tasks
+import tba
+import trainer
+
+SYSTEMS = {"tba-sync": ["--searchers", "0"], "tba-async": ["--searchers", "1"],
+           "trl-default": None, "trl-comparable": None}
+QUICK = dict(seeds=[0], steps=4, eval_n=32)
+
+
+def run_trl(system, tba_argv):
+    """One TRL run in this process with the settings `python tba.py *tba_argv` would use."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.models.utils import disable_gradient_checkpointing
+
+    cfg = tba.resolve(tba.parse_args([*tba_argv, *SYSTEMS["tba-sync"]])[0])
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(tba.placement(cfg)[2])
+    torch.manual_seed(cfg.seed)
+    task = tasks.make_task(cfg)
+    policy, tokenizer = task.load_model(torch.device("cpu"))
+    train = {p.index: p for p in task.prompts("train", tokenizer)}
+    batches = searcher.prompt_batches(list(train.values()), cfg.prompts_per_step, cfg.seed)
+    order = [p for _ in range(cfg.steps) for p in next(batches)]
+    scored = 0
+
+    def reward(prompts, completions, index, **_):
+        nonlocal scored
+        chosen = [train[i] for i in index]
+        assert [p.text for p in chosen] == prompts, "TRL paired prompts and rows wrongly"
+        scored += len(completions)
+        return task.reward(chosen, completions)
+
+    micro = cfg.micro_groups or cfg.prompts_per_step
+    if cfg.prompts_per_step % micro:
+        raise SystemExit(f"error: TRL needs --micro-groups to divide B = {cfg.prompts_per_step}")
+    compute = ({} if system == "trl-default" else
+               dict(activation_checkpointing=cfg.activation_checkpointing,
+                    bf16=cfg.dtype == "bfloat16"))
+    args = GRPOConfig(
+        output_dir=str(out), use_cpu=True, seed=cfg.seed, max_steps=cfg.steps,
+        per_device_train_batch_size=micro * cfg.group_size,
+        gradient_accumulation_steps=cfg.prompts_per_step // micro, num_iterations=1,
+        num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=1.0, top_k=0, beta=cfg.beta, learning_rate=cfg.lr,
+        max_grad_norm=cfg.max_grad_norm, shuffle_dataset=False, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, **compute)
+    optimizers = trainer.make_optimizer(policy, cfg.lr, cfg.steps, cfg.warmup_steps,
+                                        cfg.decay_steps)
+    grpo = GRPOTrainer(model=policy, reward_funcs=[reward], args=args, processing_class=tokenizer,
+                       optimizers=optimizers, train_dataset=Dataset.from_list(
+                           [{"prompt": p.text, "index": p.index} for p in order]))
+    fed = grpo._tokenize_prompts([order[0].text])[0][0]
+    if list(fed) != order[0].ids:
+        raise SystemExit(f"error: TRL tokenises the prompt as {tokenizer.decode(fed)!r}, "
+                         f"not as tba does ({order[0].text!r})")
+    (out / "trl_args.json").write_text(args.to_json_string())
+    log = tba.MetricsLog(out / "metrics.jsonl")
+
+    @contextlib.contextmanager
+    def as_tba_evaluates(model):
+        """The policy as tba evaluates it: eval mode, float32 (without the bfloat16 autocast
+        that accelerate wraps around `forward` under bf16=True), no activation checkpointing."""
+        wrapped, training = model.forward, model.training
+        model.forward = getattr(model, "_original_forward", wrapped)
+        model.eval()
+        try:
+            with disable_gradient_checkpointing(model, args.activation_checkpointing_kwargs):
+                yield
+        finally:
+            model.forward = wrapped
+            model.train(training)
+
+    class Evaluate(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.start = time.time()
+            self.evaluate(model, 0)
+
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if "loss" not in logs:           # the summary logged after the last step
+                return
+            step = state.global_step
+            log.write({"step": step, "time": round(time.time() - self.start, 3),
+                       "samples": scored, "loss": logs["loss"], "reward_mean": logs["reward"],
+                       "kl": logs.get("kl"), "lr": logs["learning_rate"]})
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                self.evaluate(model, step)
+
+        def evaluate(self, model, step):
+            with as_tba_evaluates(model):
+                tba.evaluate(task, model, tokenizer, grpo.ref_model, step, self.start, log,
+                             torch.float32)
+
+    grpo.remove_callback(PrinterCallback)
+    grpo.add_callback(Evaluate())
+    grpo.train()
+    print(f"{system}: {cfg.steps} steps, {scored} completions scored")
+
+
+def finished(out, steps):
+    """A run folder whose final evaluation is logged."""
+    return (out / "metrics.jsonl").is_file() and any(
+        r["step"] == steps for r in plot.read_metrics(out)[1])
+
+
+def run(system, seed, out, flags, steps):
+    if finished(out, steps):
+        return
+    if out.exists():
+        print(f"{out} is unfinished: starting it again")
+        shutil.rmtree(out)
+    command = ([sys.executable, "tba.py", *SYSTEMS[system]] if SYSTEMS[system] is not None
+               else [sys.executable, str(Path(__file__).resolve()), "trl", system])
+    print(f"== {system}, seed {seed}", flush=True)
+    done = subprocess.run([*command, *flags, "--seed", str(seed), "--quiet", "--out", str(out)],
+                          cwd=REPO)
+    if done.returncode:
+        sys.exit(f"error: the {system} run with seed {seed} failed (exit {done.returncode})")
+
+
+def stats(out, metric, seconds):
+    """One run -> its evaluations [(time, value)] and its mean seconds per step: the time
+    between a step's row and the row before it (evaluations left out)."""
+    train_rows, eval_rows = plot.read_metrics(out)
+    rows = sorted(train_rows + eval_rows, key=lambda r: r["time"])
+    step_s = statistics.mean(r["time"] - before["time"] for before, r in zip(rows, rows[1:])
+                             if "loss" in r)
+    return dict(curve=[(r["time"], r[metric]) for r in eval_rows], step_s=step_s,
+                start=eval_rows[0][metric], end=eval_rows[-1][metric],
+                at_equal=last_before(eval_rows, metric, seconds), wall=eval_rows[-1]["time"])
+
+
+def time_to(curve, target):
+    return next((t for t, value in curve if value >= target), math.inf)
+
+
+def machine():
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
+
+
+def versions():
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=REPO).stdout.strip()
+    packages = ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl"))
+    return f"{packages}, tba {commit}"
+
+
+def draw(results, metric, target, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (system, runs) in enumerate(results.items()):
+        for j, r in enumerate(runs):
+            ax.plot(*zip(*r["curve"]), color=f"C{i}", marker="o", markersize=3, linewidth=1.2,
+                    label=system if j == 0 else None)
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.3f}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(f"greedy {metric}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def trl_differences(outs):
+    """-> "field default -> comparable, ..." from the GRPOConfigs the two TRL runs recorded."""
+    default, comparable = (json.loads((outs[s][0] / "trl_args.json").read_text())
+                           for s in ("trl-default", "trl-comparable"))
+    return ", ".join(f"{k} {v} -> {comparable[k]}" for k, v in default.items()
+                     if k != "output_dir" and comparable[k] != v)
+
+
+def report(results, outs, metric, target, seconds, steps, args):
+    n = len(args.seeds)
+    how = "" if args.target is not None else " (midway between step 0 and the best end)"
+    print(f"\n{args.task}: {steps} steps, the same completions trained on by every run; "
+          f"'at {seconds:.0f} s' = the last evaluation by the time the first run finished; "
+          f"target {target:.3f}{how}\n")
+    print(f"| system ({n} seed{'s' * (n > 1)}) | {metric} step 0 | {metric} end | {metric} at "
+          f"{seconds:.0f} s | s per step | s to reach {target:.3f} | wall (s) |\n|" + " --- |" * 7)
+    for system, runs in results.items():
+        reach = [time_to(r["curve"], target) for r in runs]
+        missed = sum(t == math.inf for t in reach)
+        reach_text = spread(reach, 0) if not missed else f"not reached in {missed} of {len(runs)}"
+        print(f"| {system} | " + " | ".join(
+            [spread([r[k] for r in runs], 3) for k in ("start", "end", "at_equal")]
+            + [spread([r["step_s"] for r in runs], 1), reach_text,
+               spread([r["wall"] for r in runs], 0)]) + " |")
+    print(f"\nmachine: {machine()}; {versions()}\ncommand: python {' '.join(sys.argv)}")
+    if "trl-default" in results and "trl-comparable" in results:
+        print(f"trl-comparable's GRPOConfig differs from trl-default's in: {trl_differences(outs)}")
+    mean = {s: statistics.mean(r["end"] for r in runs) for s, runs in results.items()}
+    reach = {s: statistics.mean(time_to(r["curve"], target) for r in runs)
+             for s, runs in results.items()}
+    trl = [s for s in results if s.startswith("trl")]
+    if not trl:
+        return
+    best, fastest = max(trl, key=mean.get), min(trl, key=reach.get)
+    for system in (s for s in results if s.startswith("tba")):
+        ratio = reach[system] / reach[fastest]        # inf/inf is nan: not met
+        print(f"goal, {system}: end {metric} {mean[system]:.3f} vs {best}'s {mean[best]:.3f}: "
+              f"{'met' if mean[system] >= mean[best] else 'not met'}; time to {target:.3f} "
+              f"{reach[system]:.0f} s vs {fastest}'s {reach[fastest]:.0f} s ({ratio:.2f}x, goal "
+              f"<= 0.5x): {'met' if ratio <= 0.5 else 'not met'}")
+
+
+def main(argv):
+    if argv[:1] == ["trl"]:
+        return run_trl(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", default="arith", help="any task with a reward (default arith)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="which systems to run and report (default: all four)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="default 0 1 2 (--quick: 0)")
+    parser.add_argument("--steps", type=int, help="trainer steps of every run (default: the "
+                                                  "task's, --quick: 4)")
+    parser.add_argument("--eval-n", type=int, help="test problems per evaluation (default: the "
+                                                   "task's, --quick: 32)")
+    parser.add_argument("--quick", action="store_true", help="one seed, 4 steps, 32 test problems")
+    parser.add_argument("--runs", default="", help="folder of the runs (default runs/bench-vs-trl"
+                                                   ", --quick: runs/bench-vs-trl-quick)")
+    parser.add_argument("--metric", default="eval/accuracy", help="evaluation metric compared "
+                        "(default eval/accuracy; e.g. eval/win_rate for summarize)")
+    parser.add_argument("--target", type=float, help="the metric value whose time to reach is "
+                        "reported (default: midway between step 0 and the best system's end)")
+    parser.add_argument("--plot", default="", help="write the metric against wall time here (.png)")
+    args = parser.parse_args(argv)
+    for key, value in QUICK.items():
+        if args.quick and getattr(args, key) is None:
+            setattr(args, key, value)
+    args.seeds = args.seeds or [0, 1, 2]
+    if any(s.startswith("trl") for s in args.systems) and not importlib.util.find_spec("trl"):
+        sys.exit('error: TRL is not installed: pip install "trl==1.16.0" "torch==2.13.0" '
+                 '"transformers==5.23.0"')
+    folder = (Path(args.runs).resolve() if args.runs
+              else REPO / "runs" / ("bench-vs-trl" + "-quick" * args.quick))
+    flags = ["--task", args.task, "--device", "cpu", "--save-every", "0"]
+    flags += ["--steps", str(args.steps)] * (args.steps is not None)
+    flags += ["--eval-n", str(args.eval_n)] * (args.eval_n is not None)
+    steps = args.steps or tasks.task_class(args.task).defaults["steps"]
+    outs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in args.systems}
+    for i, seed in enumerate(args.seeds):
+        for system in args.systems:
+            run(system, seed, outs[system][i], flags, steps)
+    seconds = min(plot.read_metrics(o)[1][-1]["time"] for runs in outs.values() for o in runs)
+    results = {s: [stats(o, args.metric, seconds) for o in runs] for s, runs in outs.items()}
+    target = args.target
+    if target is None:
+        start = statistics.mean(r["start"] for runs in results.values() for r in runs)
+        target = (start + max(statistics.mean(r["end"] for r in runs)
+                              for runs in results.values())) / 2
+    report(results, outs, args.metric, target, seconds, steps, args)
+    if args.plot:
+        draw(results, args.metric, target, args.plot)
+        print(args.plot)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
