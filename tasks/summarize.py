@@ -30,9 +30,10 @@ Reward (`--reward-model`):
 
 Evaluation on `--eval-n` test posts: `--eval-samples` summaries per post sampled at the training
 temperature (the distribution TB trains, which can improve while the greedy summary stays put),
-with the same random draws at every evaluation. `eval/win_rate` is the share whose `--judge-model` score beats the baseline's (ties
-count half), `eval/reward_mean` and `eval/length` (tokens) their reward and length, `eval/kl`
-the mean of log p_θ − log p_ref over them (the policy's drift from the reference). Beside them
+with the same random draws at every evaluation. `eval/win_rate` is the share whose
+`--judge-model` score beats the baseline's (ties count half), `eval/reward_mean` and
+`eval/length` (tokens) their reward and length, `eval/kl` the mean of log p_θ − log p_ref over
+them (the policy's drift from the reference). Beside them
 one greedy summary per post: `eval/greedy_win_rate`, `eval/greedy_reward_mean`. The baseline is
 the reference summary under a learned judge, as in the paper; under the similarity stand-in the
 reference is the target itself (it always wins), so the baseline is the initial policy's own
@@ -197,7 +198,7 @@ class SummarizeTask(Task):
     # tokens are skipped (45 training and 50 test abstracts stay), or one long abstract would
     # double a step's time. micro_groups=1: with the 16 summaries of a step in one pass the
     # trainer reached 10 GB; one abstract's 4 at a time keep its activations near 2 GB.
-    # Evaluation (~35 s): 2 sampled and 1 greedy summary of 16 test abstracts, every 6 steps.
+    # Evaluation (~40 s): 2 sampled and 1 greedy summary of 16 test abstracts, every 6 steps.
     defaults = dict(Task.defaults, dataset=ACLSUM, steps=12, prompts_per_step=4, group_size=4,
                     max_new_tokens=48, temperature=0.7, beta=0.02, beta_final=0.02,
                     beta_steps=0, lr=3e-5, warmup_steps=2, decay_steps=6, eval_every=6,
@@ -300,7 +301,8 @@ class SummarizeTask(Task):
         """`summarize` with the same random draws at every evaluation (seeded by --seed, the
         training stream left as it was): the policy and the baseline are compared on common
         random numbers, so a win is a change of the policy, not of the dice."""
-        with torch.random.fork_rng():
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.cfg.seed)
             return self.summarize(model, tokenizer, prompts, greedy=False, n=n, ref_model=ref_model)
 
