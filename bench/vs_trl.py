@@ -64,7 +64,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare import REPO, last_before, spread      # also puts the repo on sys.path
+from compare import REPO, spread      # also puts the repo on sys.path
 import plot
 import searcher
 import tasks
@@ -198,9 +198,10 @@ def stats(out, metric, seconds):
     rows = sorted(train_rows + eval_rows, key=lambda r: r["time"])
     step_s = statistics.mean(r["time"] - before["time"] for before, r in zip(rows, rows[1:])
                              if "loss" in r)
+    by_then = [r for r in eval_rows if r["time"] <= seconds] or eval_rows[:1]   # still step 0
     return dict(curve=[(r["time"], r[metric]) for r in eval_rows], step_s=step_s,
                 start=eval_rows[0][metric], end=eval_rows[-1][metric],
-                at_equal=last_before(eval_rows, metric, seconds), wall=eval_rows[-1]["time"])
+                at_equal=by_then[-1][metric], wall=eval_rows[-1]["time"])
 
 
 def time_to(curve, target):
@@ -278,12 +279,17 @@ def report(results, outs, metric, target, seconds, steps, args):
     if not trl:
         return
     best, fastest = max(trl, key=mean.get), min(trl, key=reach.get)
+    met = {True: "met", False: "not met"}
+
+    def when(t):
+        return f"{t:.0f} s" if t < math.inf else "not reached by every seed"
     for system in (s for s in results if s.startswith("tba")):
-        ratio = reach[system] / reach[fastest]        # inf/inf is nan: not met
+        ratio = (f" ({reach[system] / reach[fastest]:.2f}x)"
+                 if max(reach[system], reach[fastest]) < math.inf else "")
         print(f"goal, {system}: end {metric} {mean[system]:.3f} vs {best}'s {mean[best]:.3f}: "
-              f"{'met' if mean[system] >= mean[best] else 'not met'}; time to {target:.3f} "
-              f"{reach[system]:.0f} s vs {fastest}'s {reach[fastest]:.0f} s ({ratio:.2f}x, goal "
-              f"<= 0.5x): {'met' if ratio <= 0.5 else 'not met'}")
+              f"{met[mean[system] >= mean[best]]}; time to {target:.3f}: "
+              f"{when(reach[system])} vs {fastest}'s {when(reach[fastest])}{ratio}, at most half: "
+              f"{met[reach[system] < math.inf and reach[system] <= reach[fastest] / 2]}")
 
 
 def main(argv):
