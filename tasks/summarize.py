@@ -191,7 +191,7 @@ class SummarizeTask(Task):
     name = "summarize"
     eval_needs_reference = True          # eval/kl, and the initial policy's summaries
     min_eval_samples = 1                 # win rate and KL are measured on sampled summaries
-    # For SmolLM2-135M on a 2-core CPU (~25 s a step, ~7 min a run in bfloat16): 12 steps of
+    # For SmolLM2-135M on a 2-core CPU (~25 s a step, 7-8 min a run in bfloat16): 12 steps of
     # 4 abstracts × 4 summaries of at most 48 tokens. The similarity reward spreads ~0.1-0.2
     # within a group; β = 0.02 makes that 5-10 nats of r/β. ACL abstracts take 110-1,323 tokens
     # as chat prompts (median ~200) and a batch is padded to its longest: prompts over 192
