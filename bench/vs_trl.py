@@ -200,6 +200,7 @@ def stats(out, metric, seconds):
                              if "loss" in r)
     by_then = [r for r in eval_rows if r["time"] <= seconds] or eval_rows[:1]   # still step 0
     return dict(curve=[(r["time"], r[metric]) for r in eval_rows], step_s=step_s,
+                by_step={r["step"]: (r["time"], r[metric]) for r in eval_rows},
                 start=eval_rows[0][metric], end=eval_rows[-1][metric],
                 at_equal=by_then[-1][metric], wall=eval_rows[-1]["time"])
 
@@ -269,6 +270,12 @@ def report(results, outs, metric, target, seconds, steps, args):
             [spread([r[k] for r in runs], 3) for k in ("start", "end", "at_equal")]
             + [spread([r["step_s"] for r in runs], 1), reach_text,
                spread([r["wall"] for r in runs], 0)]) + " |")
+    print(f"\n{metric} at each evaluation (a peak then a fall shows the end is fragile)\n\n"
+          "| system | step | " + metric + " | time (s) |\n| --- | --- | --- | --- |")
+    for system, runs in results.items():
+        for step in sorted(set.intersection(*(set(r["by_step"]) for r in runs))):
+            times, values = zip(*(r["by_step"][step] for r in runs))
+            print(f"| {system} | {step} | {spread(values, 3)} | {spread(times, 0)} |")
     print(f"\nmachine: {machine()}; {versions()}\ncommand: python {' '.join(sys.argv)}")
     if "trl-default" in results and "trl-comparable" in results:
         print(f"trl-comparable's GRPOConfig differs from trl-default's in: {trl_differences(outs)}")
