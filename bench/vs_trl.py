@@ -1,7 +1,8 @@
 """tba against TRL's GRPOTrainer: same task, model, prompts, reward, budget and evaluation.
 
     pip install "trl==1.16.0" "torch==2.13.0" "transformers==5.23.0"   # TRL: this bench only
-    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, an estimated 2-3 h on 2 cores
+    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, ~3.3 h on 2 cores
+                                        # (tba-async and trl-default x 3 seeds: 1 h 38 min measured)
     python bench/vs_trl.py --quick      # seed 0, 4 steps, 32 test problems: 12.5 min measured
     python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
                                         # with the settings these tba.py flags would use
