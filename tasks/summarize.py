@@ -33,8 +33,8 @@ temperature (the distribution TB trains, which can improve while the greedy summ
 with the same random draws at every evaluation. `eval/win_rate` is the share whose
 `--judge-model` score beats the baseline's (ties count half), `eval/reward_mean` and
 `eval/length` (tokens) their reward and length, `eval/kl` the mean of log p_θ − log p_ref over
-them (the policy's drift from the reference). Beside them
-one greedy summary per post: `eval/greedy_win_rate`, `eval/greedy_reward_mean`. The baseline is
+them (the policy's drift from the reference). Beside them one greedy summary per post:
+`eval/greedy_win_rate`, `eval/greedy_reward_mean`. The baseline is
 the reference summary under a learned judge, as in the paper; under the similarity stand-in the
 reference is the target itself (it always wins), so the baseline is the initial policy's own
 summaries, drawn with the same dice: 0.5 at step 0, and above 0.5 means better than before.
