@@ -1,9 +1,12 @@
 """tba against TRL's GRPOTrainer: same task, model, prompts, reward, budget and evaluation.
 
     pip install "trl==1.16.0" "torch==2.13.0" "transformers==5.23.0"   # TRL: this bench only
-    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, ~3.3 h on 2 cores
-                                        # (tba-async and trl-default x 3 seeds: 1 h 38 min measured)
+    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, ~3.8 h on 2 cores
+                                        # (measured in sittings: 1 h 38 min for tba-async and
+                                        # trl-default, 2 h 10 min for tba-sync and trl-comparable)
     python bench/vs_trl.py --quick      # seed 0, 4 steps, 32 test problems: 12.5 min measured
+    python bench/vs_trl.py --runs DIR -- --beta 0.05 --beta-final 0.05   # tba.py flags after
+                                        # `--` change every system's settings (TRL's matched too)
     python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
                                         # with the settings these tba.py flags would use
 
@@ -303,6 +306,8 @@ def report(results, outs, metric, target, seconds, steps, args):
 def main(argv):
     if argv[:1] == ["trl"]:
         return run_trl(argv[1], argv[2:])
+    tba_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:len(argv) - len(tba_flags) - ("--" in argv)]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="arith", help="any task with a reward (default arith)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
@@ -320,6 +325,8 @@ def main(argv):
     parser.add_argument("--target", type=float, help="the metric value whose time to reach is "
                         "reported (default: midway between step 0 and the best system's end)")
     parser.add_argument("--plot", default="", help="write the metric against wall time here (.png)")
+    parser.epilog = ("tba.py flags after `--` apply to every run, e.g. `-- --beta 0.2 "
+                     "--beta-final 0.2` (the TRL runs get the matching settings); use --runs too")
     args = parser.parse_args(argv)
     for key, value in QUICK.items():
         if args.quick and getattr(args, key) is None:
@@ -333,6 +340,12 @@ def main(argv):
     flags = ["--task", args.task, "--device", "cpu", "--save-every", "0"]
     flags += ["--steps", str(args.steps)] * (args.steps is not None)
     flags += ["--eval-n", str(args.eval_n)] * (args.eval_n is not None)
+    flags += tba_flags
+    try:  # bad tba.py flags stop the bench here, before any run starts
+        tba.resolve(tba.parse_args([*flags, *SYSTEMS["tba-sync"]])[0])
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     steps = args.steps or tasks.task_class(args.task).defaults["steps"]
     outs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in args.systems}
     for i, seed in enumerate(args.seeds):
