@@ -5,14 +5,14 @@
                                         # (measured in sittings: 1 h 38 min for tba-async and
                                         # trl-default, 2 h 10 min for tba-sync and trl-comparable)
     python bench/vs_trl.py --quick      # seed 0, 4 steps, 32 test problems: 12.5 min measured
-    python bench/vs_trl.py --runs DIR -- --beta 0.05 --beta-final 0.05   # tba.py flags after
-                                        # `--` change every system's settings (TRL's matched too)
+    python bench/vs_trl.py -- --beta 0.05 --beta-final 0.05   # tba.py flags after `--` change
+                                        # every system's settings, TRL's matched too (README: β 0.05)
     python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
                                         # with the settings these tba.py flags would use
 
 A researcher choosing between tba and TRL asks: does it learn as well, and is it faster? Each
 system trains SmolLM2-135M-Instruct on the CPU with the task's tba defaults (arith: 25 steps of
-B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.05, AdamW at lr 3e-5
+B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.2, AdamW at lr 3e-5
 with warm-up-stable-decay 5/10 steps), each run in a fresh process on all cores:
   tba-sync        python tba.py --searchers 0   on-policy trajectory balance, one process
   tba-async       python tba.py --searchers 1   a searcher process and the trainer, a core each
@@ -319,14 +319,14 @@ def main(argv):
                                                    "task's, --quick: 32)")
     parser.add_argument("--quick", action="store_true", help="one seed, 4 steps, 32 test problems")
     parser.add_argument("--runs", default="", help="folder of the runs (default runs/bench-vs-trl"
-                                                   ", --quick: runs/bench-vs-trl-quick)")
+                        ", -quick and the tba.py flags appended: runs/bench-vs-trl-beta-0.05-...)")
     parser.add_argument("--metric", default="eval/accuracy", help="evaluation metric compared "
                         "(default eval/accuracy; e.g. eval/win_rate for summarize)")
     parser.add_argument("--target", type=float, help="the metric value whose time to reach is "
                         "reported (default: midway between step 0 and the best system's end)")
     parser.add_argument("--plot", default="", help="write the metric against wall time here (.png)")
-    parser.epilog = ("tba.py flags after `--` apply to every run, e.g. `-- --beta 0.2 "
-                     "--beta-final 0.2` (the TRL runs get the matching settings); use --runs too")
+    parser.epilog = ("tba.py flags after `--` apply to every run, e.g. `-- --beta 0.05 "
+                     "--beta-final 0.05` (the TRL runs get the matching settings)")
     args = parser.parse_args(argv)
     for key, value in QUICK.items():
         if args.quick and getattr(args, key) is None:
@@ -336,7 +336,8 @@ def main(argv):
         sys.exit('error: TRL is not installed: pip install "trl==1.16.0" "torch==2.13.0" '
                  '"transformers==5.23.0"')
     folder = (Path(args.runs).resolve() if args.runs
-              else REPO / "runs" / ("bench-vs-trl" + "-quick" * args.quick))
+              else REPO / "runs" / "-".join(["bench-vs-trl", *["quick"] * args.quick,
+                                             *(f.lstrip("-") for f in tba_flags)]))
     flags = ["--task", args.task, "--device", "cpu", "--save-every", "0"]
     flags += ["--steps", str(args.steps)] * (args.steps is not None)
     flags += ["--eval-n", str(args.eval_n)] * (args.eval_n is not None)

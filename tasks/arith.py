@@ -75,10 +75,13 @@ class ArithTask(AnswerTask):
     #   word means ("sells" is -), reaching 83% after 20-35 steps, but at lr 3e-5 further steps
     #   erode its sums (8 + 6 = 10) and it fell back to 52% by step 40 or 70. So: 25 steps, the
     #   last 10 decaying: 37% -> 75% in 11 minutes.
+    # - β 0.05 (r/β = 20 for a right answer) left the end fragile with one searcher: 0.638 ±
+    #   0.068 over seeds 0-2, seed 0 falling from 69% to 56%. β 0.2 ended higher on each of the
+    #   same seeds (README, arith).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
                     steps=25, prompts_per_step=4, group_size=8, max_new_tokens=32,
-                    temperature=0.7, beta=0.05, beta_final=0.05, beta_steps=0, lr=3e-5,
+                    temperature=0.7, beta=0.2, beta_final=0.2, beta_steps=0, lr=3e-5,
                     warmup_steps=5, decay_steps=10, eval_every=10, eval_n=128,
                     sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=500,
                     micro_groups=0, save_every=10)
