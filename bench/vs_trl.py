@@ -306,8 +306,8 @@ def report(results, outs, metric, target, seconds, steps, args):
 def main(argv):
     if argv[:1] == ["trl"]:
         return run_trl(argv[1], argv[2:])
-    tba_flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:len(argv) - len(tba_flags) - ("--" in argv)]
+    argv, tba_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="arith", help="any task with a reward (default arith)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
