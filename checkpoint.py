@@ -9,6 +9,8 @@ A checkpoint is written into `checkpoints/.tmp-step_<N>/` and renamed to `step_<
 file is in place. A rename is atomic, so a crash part-way leaves only a temporary folder (ignored,
 and removed by the next save) next to the previous, intact checkpoint. `.pt` files are read with
 `torch.load(weights_only=True)`: a checkpoint can hold tensors and plain values, never code.
+A write that fails (a full disk, a read-only folder, a quota) is a WriteError naming what could
+not be written; the half-written temporary folder is removed to give the space back.
 """
 import shutil
 from pathlib import Path
@@ -18,6 +20,16 @@ import torch
 
 class CheckpointError(ValueError):
     """A checkpoint is missing or unreadable; the message says which and what to do."""
+
+
+class WriteError(Exception):
+    """A file of the run could not be written; the message names it and says why."""
+
+
+def reason(error):
+    """The first line of an exception's message, or its type's name."""
+    text = str(getattr(error, "strerror", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def step_of(path):
@@ -43,8 +55,12 @@ def save_pretrained(model, tokenizer, folder):
     tmp, old = folder.with_name(".tmp-" + folder.name), folder.with_name(".old-" + folder.name)
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except Exception as e:               # safetensors reports a full disk as its own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"cannot write {folder} ({reason(e)})") from e
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
@@ -52,26 +68,34 @@ def save_pretrained(model, tokenizer, folder):
     return folder
 
 
-def save(run_dir, step, model, tokenizer, trainer_state, buffer_state=None, keep=2):
+def save(run_dir, step, model, tokenizer, trainer_state, keep=2):
     """Write checkpoint `step` and keep only the `keep` newest. -> its folder
 
-    The state at a step boundary is fully determined by the step, so a checkpoint that already
-    exists (a periodic save followed by Ctrl-C at the same step) is not written twice.
+    `trainer_state` is `run.state(...)`; the replay buffer in it (trainer_state["source"]
+    ["buffer"], asynchronous runs only) goes to its own file, buffer.pt. The state at a step
+    boundary is fully determined by the step, so a checkpoint that already exists (a periodic
+    save followed by Ctrl-C at the same step) is not written twice.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     if final.exists():
         return final
-    for leftover in root.glob(".tmp-*"):          # from a save that crashed part-way
-        shutil.rmtree(leftover)
+    source = dict(trainer_state["source"])
+    buffer_state = source.pop("buffer", None)
     tmp = root / f".tmp-step_{step}"
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    if buffer_state is not None:
-        torch.save(buffer_state, tmp / "buffer.pt")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-*"):          # from a save that crashed part-way
+            shutil.rmtree(leftover)
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({**trainer_state, "source": source}, tmp / "trainer.pt")
+        if buffer_state is not None:
+            torch.save(buffer_state, tmp / "buffer.pt")
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"cannot write checkpoint {final} ({reason(e)})") from e
     tmp.rename(final)
     for old in all_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
@@ -80,18 +104,18 @@ def save(run_dir, step, model, tokenizer, trainer_state, buffer_state=None, keep
 
 def load(path, model):
     """Load the weights of checkpoint `path` into `model` (in place, keeping its device and
-    dtype). -> (trainer_state, buffer_state or None)"""
+    dtype). -> the trainer state, its replay buffer (if any) back in state["source"]["buffer"]"""
     path = Path(path)
     hint = f"delete {path} to resume from the checkpoint before it"
     try:
         trainer_state = torch.load(path / "trainer.pt", weights_only=True)
         buffer_file = path / "buffer.pt"
-        buffer_state = torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None
+        if buffer_file.exists():
+            trainer_state["source"]["buffer"] = torch.load(buffer_file, weights_only=True)
         saved = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is unreadable ({reason}): {hint}") from e
+        raise CheckpointError(f"checkpoint {path} is unreadable ({reason(e)}): {hint}") from e
     if trainer_state.get("step") != step_of(path):
         raise CheckpointError(f"checkpoint {path} holds step {trainer_state.get('step')}: {hint}")
-    return trainer_state, buffer_state
+    return trainer_state

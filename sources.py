@@ -1,6 +1,7 @@
 """Where the trainer's groups come from: one interface, three engines.
 
-The training loop (`tba.train`) asks a *group source* for each step's batch and hands it new
+`make_source` builds the one a run's settings ask for, on the devices `placement` gives each
+process. The training loop (`tba.train`) asks a *group source* for each step's batch and hands it new
 weights every --sync-every steps; it never touches processes, buffers or Ray itself:
 
     source.start(policy, version)    searchers begin with these weights (version = steps so far)
@@ -10,19 +11,24 @@ weights every --sync-every steps; it never touches processes, buffers or Ray its
     source.poll()                    take in the searchers' reports; SearcherError if one failed
     source.take_infos()              the task's `score` infos of the groups searched since
     source.tokens, source.groups     generated so far in this session
-    source.state_dict(), load_state_dict(state)   for checkpoints ("buffer" goes to buffer.pt)
+    source.state_dict(), load_state_dict(state, step)   for checkpoints (the replay buffer is
+                                     state["buffer"], checked against the checkpoint's step)
     source.close()                   stop every searcher; nothing is left running
 
     InProcess          --searchers 0: the trainer samples each batch itself, on-policy
     SearcherProcesses  --searchers N: processes on this machine filling a shared-memory replay
-                       buffer, weights through shared-memory slots (trainer.WeightChannel)
+                       buffer, weights through shared-memory slots (`WeightChannel`)
     RaySearchers       --searchers N --ray ADDRESS: Ray actors anywhere in a cluster; each batch
                        comes back as an object reference into a replay buffer the trainer keeps
 """
 import logging
+import math
 import os
+import queue
+import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +36,7 @@ import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
 import searcher
-import trainer
+from buffer import ReplayBuffer, shared_bytes
 from searcher import SearcherError, add_to_buffer
 
 REPO = Path(__file__).resolve().parent
@@ -60,7 +66,8 @@ class InProcess:
         t0 = time.time()
         batch, _ = searcher.sample_groups(
             self.policy, self.ref_model, self.tokenizer, self.task, next(self.batches),
-            self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature, version,
+            group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature, version=version,
             dtype=getattr(torch, self.cfg.dtype), score_batch=self.score_batch)
         self.batches_used += 1
         self.tokens += int(batch.response_len.sum())
@@ -82,7 +89,7 @@ class InProcess:
     def state_dict(self):
         return {"batches_used": self.batches_used}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, step):
         # The prompts an earlier synchronous session has seen (none if it ran searchers).
         self.batches_used = state.get("batches_used", 0)
         for _ in range(self.batches_used):
@@ -144,9 +151,11 @@ class Replay:
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
 
-    def load_state_dict(self, state):
-        # The buffer was restored (and checked) by `tba.load`; an earlier synchronous session
-        # left no sampler state.
+    def load_state_dict(self, state, step):
+        """The buffer's groups (checked: none may come from a version after `step`) and the
+        sampler's random state; an earlier synchronous session left neither."""
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"], max_version=step)
         if "sampler" in state:
             self.sampler.set_state(state["sampler"])
 
@@ -161,7 +170,7 @@ class SearcherProcesses(Replay):
         self.weights = self.pool = None
 
     def start(self, policy, version):
-        self.weights = trainer.WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"))
+        self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"))
         self.weights.publish(policy, version)
         self.pool = searcher.SearcherPool(self.cfg, self.devices, self.threads, self.buffer,
                                           self.weights)
@@ -232,7 +241,7 @@ class RaySearcher:
         self.version = None
 
     def set_weights(self, state, version):
-        trainer.copy_weights(self.searcher.policy, state)
+        copy_weights(self.searcher.policy, state)
         if self.version is None:
             self.searcher.start(version)
         self.version = version
@@ -277,7 +286,7 @@ class RaySearchers(Replay):
 
     def publish(self, policy, version):
         t0 = time.time()
-        state = {k: v.detach().to("cpu") for k, v in trainer.WeightChannel.shipped_state(policy).items()}
+        state = {k: v.detach().to("cpu") for k, v in WeightChannel.shipped_state(policy).items()}
         state_ref = self.ray.put(state)
         for a in self.actors:
             a.set_weights.remote(state_ref, version)
@@ -310,11 +319,147 @@ class RaySearchers(Replay):
         self.ray.shutdown()               # a cluster this run started stops; another one stays
 
 
-def make_source(cfg, setup, interrupt):
-    """The group source for this run's settings; `setup` comes from `tba.load`."""
+@dataclass
+class Layout:
+    """Where each process runs (`placement`)."""
+    device: torch.device              # the trainer's
+    searcher_devices: list            # one per searcher
+    threads: int                      # CPU threads per process
+
+
+def placement(cfg):
+    """With G >= 2 GPUs the trainer takes cuda:0 and the searchers share cuda:1..G-1; with one GPU
+    everything shares it. On CPU the cores are split evenly, because processes that each use
+    every core slow each other down more than they gain. -> Layout"""
+    device = torch.device(cfg.device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus >= 2:
+        searcher_devices = [f"cuda:{1 + i % (gpus - 1)}" for i in range(cfg.searchers)]
+    else:
+        searcher_devices = [str(device)] * cfg.searchers
+    return Layout(device, searcher_devices, max(1, (os.cpu_count() or 1) // (cfg.searchers + 1)))
+
+
+def check_shared_memory(need, shm="/dev/shm"):
+    """The weight slots and the replay buffer live in /dev/shm. Docker gives a container 64 MB
+    of it, and writing past the end kills a process with a bus error, not a message: so check
+    the space before anything is put there."""
+    if not os.path.isdir(shm):
+        return
+    free = shutil.disk_usage(shm).free
+    if need > free:
+        raise ValueError(f"{shm} has {free / 2**20:.0f} MB free but the weight slots and the "
+                         f"replay buffer need {need / 2**20:.0f} MB: give the container more "
+                         f"(docker run --shm-size={math.ceil(need * 1.5 / 2**30)}g), or lower "
+                         "--buffer-capacity, or run with --searchers 0")
+
+
+def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):
+    """The group source for this run's settings. Searchers get a replay buffer sized for the
+    longest prompt (in shared memory unless they are Ray actors); `interrupt` raises
+    KeyboardInterrupt when a stop was requested, while the trainer waits for groups."""
     if not cfg.searchers:
-        return InProcess(cfg, setup.task, setup.policy, setup.ref_model, setup.tokenizer,
-                         setup.prompts)
+        return InProcess(cfg, task, policy, ref_model, tokenizer, prompts)
+    longest = max(len(p.ids) for p in prompts)
+    check_shared_memory((0 if cfg.ray else WeightChannel.bytes_needed(policy))
+                        + shared_bytes(cfg.buffer_capacity, cfg.group_size, longest,
+                                       cfg.max_new_tokens))
+    buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
+                          tokenizer.pad_token_id)
     if cfg.ray:
-        return RaySearchers(cfg, setup.buffer, setup.threads, interrupt)
-    return SearcherProcesses(cfg, setup.buffer, setup.searcher_devices, setup.threads, interrupt)
+        return RaySearchers(cfg, buffer, layout.threads, interrupt)
+    return SearcherProcesses(cfg, buffer, layout.searcher_devices, layout.threads, interrupt)
+
+
+class WeightChannel:
+    """Ships the trainer's weights to the searchers: shared memory for the bytes, queues for the news.
+
+    Two shared-memory copies of the parameters are allocated once (so shared memory does not grow
+    from sync to sync), each with its own lock. Publishes alternate between the slots (by count,
+    not by version: versions are multiples of --sync-every, so `version % 2` would put every
+    publish in slot 0 when k is even) and each searcher's queue gets a note (version, slot). A
+    searcher copies the slot out under the same lock and takes the version stored *in the slot*,
+    so it never loads a half-written state dict and never mislabels one. With two slots, the
+    trainer only waits if a searcher is still reading the weights from two syncs ago.
+    """
+
+    def __init__(self, model, n_readers, ctx):
+        state = self.shipped_state(model)
+        self.names = list(state)
+        self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
+                      for _ in range(2)]
+        self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
+        self.locks = [ctx.Lock() for _ in range(2)]
+        self.queues = [ctx.Queue() for _ in range(n_readers)]
+        self.publishes = 0                          # trainer side only: which slot is next
+        self.staging = None                         # trainer side, CUDA only: pinned copies
+
+    @staticmethod
+    def shipped_state(model):
+        """The state dict without repeats: tied weights (embedding = output layer) appear under
+        two names but are shipped once."""
+        seen = set()
+        return {k: v for k, v in model.state_dict().items()
+                if v.data_ptr() not in seen and not seen.add(v.data_ptr())}
+
+    @classmethod
+    def bytes_needed(cls, model):
+        """Shared memory of the two slots."""
+        return 2 * sum(v.numel() * v.element_size() for v in cls.shipped_state(model).values())
+
+    @torch.no_grad()
+    def publish(self, model, version):
+        """Trainer side: copy the weights into the free slot, then tell every searcher."""
+        slot = self.publishes % 2
+        self.publishes += 1
+        state = model.state_dict()
+        if next(model.parameters()).is_cuda:
+            # GPU → pinned host memory is one fast DMA per tensor; the slot's lock is then held
+            # only for host-to-host copies.
+            if self.staging is None:
+                self.staging = {name: torch.empty_like(state[name], device="cpu").pin_memory()
+                                for name in self.names}
+            for name in self.names:
+                self.staging[name].copy_(state[name], non_blocking=True)
+            torch.cuda.synchronize()
+            state = self.staging
+        with self.locks[slot]:
+            for name in self.names:
+                self.slots[slot][name].copy_(state[name])
+            self.slot_version[slot] = version
+        for note_queue in self.queues:
+            note_queue.put((version, slot))
+
+    def close(self):
+        """Trainer side, at shutdown: unread notes are dropped instead of blocking the exit."""
+        for note_queue in self.queues:
+            note_queue.close()
+            note_queue.cancel_join_thread()
+
+    @torch.no_grad()
+    def receive(self, model, reader, current_version, block=False):
+        """Searcher side: load the newest published weights if newer than ours. -> version"""
+        note = None
+        try:
+            note = self.queues[reader].get(block=block)
+            while True:                             # skip to the newest note
+                note = self.queues[reader].get_nowait()
+        except queue.Empty:
+            pass
+        if note is None:
+            return current_version
+        slot = note[1]
+        with self.locks[slot]:
+            version = int(self.slot_version[slot])
+            if version <= current_version:
+                return current_version
+            copy_weights(model, self.slots[slot])
+        return version
+
+
+@torch.no_grad()
+def copy_weights(model, state):
+    """Copy a `shipped_state` into the model's own tensors, in place (tied ones are set once)."""
+    own = model.state_dict()
+    for name, value in state.items():
+        own[name].copy_(value)

@@ -1,11 +1,10 @@
-"""The learner: sequence log-probs, the trajectory-balance and RLOO losses, schedules, one step.
+"""The trainer: sequence log-probs, the trajectory-balance and RLOO losses, schedules, one step.
 
 Everything here works on *groups*: B prompts with K completions each, so every per-trajectory
 tensor is shaped [B, K]. The batch layout is `buffer.GroupBatch`, whether it comes straight from
 the synchronous loop or from the replay buffer.
 """
 import math
-import queue
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -132,21 +131,30 @@ def beta_at(step, beta, beta_final, beta_steps):
     return beta + frac * (beta_final - beta)
 
 
-def wsd_factor(step, total_steps, warmup_steps, decay_steps):
-    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to zero."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_start = total_steps - decay_steps
-    if decay_steps > 0 and step >= decay_start:
-        return max(0.0, (total_steps - step) / decay_steps)
-    return 1.0
+class WSD:
+    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to zero.
+
+    A callable object rather than a function, so that the scheduler's state dict (and with it a
+    checkpoint) carries the schedule's length: a resumed run that goes on past its first
+    --steps continues at the decayed rate instead of jumping back up."""
+
+    def __init__(self, total_steps, warmup_steps, decay_steps):
+        self.total_steps, self.warmup_steps, self.decay_steps = total_steps, warmup_steps, decay_steps
+
+    def __call__(self, step):
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_start = self.total_steps - self.decay_steps
+        if self.decay_steps > 0 and step >= decay_start:
+            return max(0.0, (self.total_steps - step) / self.decay_steps)
+        return 1.0
 
 
 def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
     """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: wsd_factor(step, total_steps, warmup_steps, decay_steps))
+        optimizer, WSD(total_steps, warmup_steps, decay_steps))
     return optimizer, scheduler
 
 
@@ -175,7 +183,7 @@ class NonFiniteError(ArithmeticError):
     """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
 
 
-def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", temperature=1.0,
+def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", temperature=1.0,
                micro_groups=None, max_grad_norm=None, micro_completions=0, dtype=torch.float32,
                scaler=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches.
@@ -248,97 +256,3 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, beta, loss="tb", 
         "grad_norm": grad_norm.item(),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
-
-
-class WeightChannel:
-    """Ships the trainer's weights to the searchers: shared memory for the bytes, queues for the news.
-
-    Two shared-memory copies of the parameters are allocated once (so shared memory does not grow
-    from sync to sync), each with its own lock. Publishes alternate between the slots (by count,
-    not by version: versions are multiples of --sync-every, so `version % 2` would put every
-    publish in slot 0 when k is even) and each searcher's queue gets a note (version, slot). A
-    searcher copies the slot out under the same lock and takes the version stored *in the slot*,
-    so it never loads a half-written state dict and never mislabels one. With two slots, the
-    trainer only waits if a searcher is still reading the weights from two syncs ago.
-    """
-
-    def __init__(self, model, n_readers, ctx):
-        state = self.shipped_state(model)
-        self.names = list(state)
-        self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
-                      for _ in range(2)]
-        self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
-        self.locks = [ctx.Lock() for _ in range(2)]
-        self.queues = [ctx.Queue() for _ in range(n_readers)]
-        self.publishes = 0                          # trainer side only: which slot is next
-        self.staging = None                         # trainer side, CUDA only: pinned copies
-
-    @staticmethod
-    def shipped_state(model):
-        """The state dict without repeats: tied weights (embedding = output layer) appear under
-        two names but are shipped once."""
-        seen = set()
-        return {k: v for k, v in model.state_dict().items()
-                if v.data_ptr() not in seen and not seen.add(v.data_ptr())}
-
-    @classmethod
-    def bytes_needed(cls, model):
-        """Shared memory of the two slots."""
-        return 2 * sum(v.numel() * v.element_size() for v in cls.shipped_state(model).values())
-
-    @torch.no_grad()
-    def publish(self, model, version):
-        """Trainer side: copy the weights into the free slot, then tell every searcher."""
-        slot = self.publishes % 2
-        self.publishes += 1
-        state = model.state_dict()
-        if next(model.parameters()).is_cuda:
-            # GPU → pinned host memory is one fast DMA per tensor; the slot's lock is then held
-            # only for host-to-host copies.
-            if self.staging is None:
-                self.staging = {name: torch.empty_like(state[name], device="cpu").pin_memory()
-                                for name in self.names}
-            for name in self.names:
-                self.staging[name].copy_(state[name], non_blocking=True)
-            torch.cuda.synchronize()
-            state = self.staging
-        with self.locks[slot]:
-            for name in self.names:
-                self.slots[slot][name].copy_(state[name])
-            self.slot_version[slot] = version
-        for note_queue in self.queues:
-            note_queue.put((version, slot))
-
-    def close(self):
-        """Trainer side, at shutdown: unread notes are dropped instead of blocking the exit."""
-        for note_queue in self.queues:
-            note_queue.close()
-            note_queue.cancel_join_thread()
-
-    @torch.no_grad()
-    def receive(self, model, reader, current_version, block=False):
-        """Searcher side: load the newest published weights if newer than ours. -> version"""
-        note = None
-        try:
-            note = self.queues[reader].get(block=block)
-            while True:                             # skip to the newest note
-                note = self.queues[reader].get_nowait()
-        except queue.Empty:
-            pass
-        if note is None:
-            return current_version
-        slot = note[1]
-        with self.locks[slot]:
-            version = int(self.slot_version[slot])
-            if version <= current_version:
-                return current_version
-            copy_weights(model, self.slots[slot])
-        return version
-
-
-@torch.no_grad()
-def copy_weights(model, state):
-    """Copy a `shipped_state` into the model's own tensors, in place (tied ones are set once)."""
-    own = model.state_dict()
-    for name, value in state.items():
-        own[name].copy_(value)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import config  # noqa: E402
 import plot  # noqa: E402
 import tba  # noqa: E402
 
@@ -32,7 +33,7 @@ def run(task, steps, searchers, out, cores=None, extra=()):
     if cores:                              # placement splits os.cpu_count() between processes
         os.cpu_count = lambda: cores
     try:
-        cfg = tba.resolve(tba.parse_args(
+        cfg = config.resolve(config.parse_args(
             ["--task", task, "--searchers", str(searchers), "--steps", str(steps),
              "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out), *extra])[0])
         tba.train(cfg, tba.load(cfg))

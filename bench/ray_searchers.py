@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import config  # noqa: E402
 import plot  # noqa: E402
+import sources  # noqa: E402
 import tba  # noqa: E402
-import trainer  # noqa: E402
 from searcher import Searcher  # noqa: E402
 
 WARM_UP = 20                  # steps left out of the steady rate (start-up, the first syncs)
@@ -31,7 +32,7 @@ def run(steps, searchers, out, ray):
     start = time.time()
     args = ["--task", "toy", "--searchers", str(searchers), "--steps", str(steps),
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
-    cfg = tba.resolve(tba.parse_args(args + (["--ray", "local"] if ray else []))[0])
+    cfg = config.resolve(config.parse_args(args + (["--ray", "local"] if ray else []))[0])
     tba.train(cfg, tba.load(cfg))
     rows, _ = plot.read_metrics(out)
     steady = rows[WARM_UP:]
@@ -52,11 +53,11 @@ def transfer_sizes():
     """-> {name: bytes} for one weight sync and one searched group."""
     sizes = {}
     for task_name in ("toy", "arith"):        # arith: SmolLM2-135M-Instruct
-        cfg = tba.resolve(tba.parse_args(["--task", task_name, "--searchers", "1",
+        cfg = config.resolve(config.parse_args(["--task", task_name, "--searchers", "1",
                                           "--out", "unused"])[0])
         searcher = Searcher(0, cfg, "cpu", 1)
         searcher.start(0)
-        state = trainer.WeightChannel.shipped_state(searcher.policy)
+        state = sources.WeightChannel.shipped_state(searcher.policy)
         sizes[f"{task_name} weights, one sync"] = serialised_bytes(state)
         prompt_ids, batch, report = searcher.search(0)
         sizes[f"{task_name} one group back ({cfg.group_size} completions of at most "

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import config  # noqa: E402
 import plot  # noqa: E402
 import tba  # noqa: E402
 from tasks.toy import ToyTask  # noqa: E402
@@ -68,7 +69,7 @@ def measure(searchers, steps, out):
     """Run tba on the simulated task. -> (trainer steps/s, fresh data steps/s) after warm-up"""
     argv = ["--task", "scaling:SimTask", "--searchers", str(searchers), "--steps", str(steps),
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
-    cfg = tba.resolve(tba.parse_args(argv)[0])
+    cfg = config.resolve(config.parse_args(argv)[0])
     tba.train(cfg, tba.load(cfg))
     rows, _ = plot.read_metrics(out)                          # the training rows
     rows = rows[len(rows) // 5:]                              # skip the warm-up

@@ -36,7 +36,7 @@ Matched (tba setting -> GRPOConfig field or GRPOTrainer argument):
   β -> beta (TB's target p_ref·exp(r/β) is the optimum of RL with KL coefficient β)
   AdamW and the WSD schedule -> optimizers=trainer.make_optimizer(...) (weight decay 0),
       learning_rate=lr (recorded only); --max-grad-norm -> max_grad_norm; steps -> max_steps
-  seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (tba.placement)
+  seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (sources.placement)
   no checkpoints mid-run, log every step -> tba --save-every 0; save_strategy="no",
       logging_steps=1, report_to="none"
 The algorithm stays TRL's own: GRPO advantages scaled by the group's standard deviation
@@ -69,11 +69,14 @@ import time
 from pathlib import Path
 
 from compare import REPO, spread      # also puts the repo on sys.path
+import config
 import plot
 import searcher
+import sources
 import tasks
 import tba
 import trainer
+from run import MetricsLog
 
 SYSTEMS = {"tba-sync": ["--searchers", "0"], "tba-async": ["--searchers", "1"],
            "trl-default": None, "trl-comparable": None}
@@ -89,10 +92,10 @@ def run_trl(system, tba_argv):
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
 
-    cfg = tba.resolve(tba.parse_args([*tba_argv, *SYSTEMS["tba-sync"]])[0])
+    cfg = config.resolve(config.parse_args([*tba_argv, *SYSTEMS["tba-sync"]])[0])
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(tba.placement(cfg)[2])
+    torch.set_num_threads(sources.placement(cfg).threads)
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
@@ -132,7 +135,7 @@ def run_trl(system, tba_argv):
         raise SystemExit(f"error: TRL tokenises the prompt as {tokenizer.decode(fed)!r}, "
                          f"not as tba does ({order[0].text!r})")
     (out / "trl_args.json").write_text(args.to_json_string())
-    log = tba.MetricsLog(out / "metrics.jsonl")
+    log = MetricsLog(out / "metrics.jsonl")
 
     @contextlib.contextmanager
     def as_tba_evaluates(model):
@@ -165,8 +168,8 @@ def run_trl(system, tba_argv):
 
         def evaluate(self, model, step):
             with as_tba_evaluates(model):
-                tba.evaluate(task, model, tokenizer, grpo.ref_model, step, self.start, log,
-                             torch.float32)
+                tba.evaluate(task, model, tokenizer, grpo.ref_model, step=step, start=self.start,
+                             log=log, dtype=torch.float32)
 
     grpo.remove_callback(PrinterCallback)
     grpo.add_callback(Evaluate())
@@ -343,7 +346,7 @@ def main(argv):
     flags += ["--eval-n", str(args.eval_n)] * (args.eval_n is not None)
     flags += tba_flags
     try:  # bad tba.py flags stop the bench here, before any run starts
-        tba.resolve(tba.parse_args([*flags, *SYSTEMS["tba-sync"]])[0])
+        config.resolve(config.parse_args([*flags, *SYSTEMS["tba-sync"]])[0])
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

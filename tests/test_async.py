@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import config
 import searcher
 import tasks
 import tba
 from buffer import ReplayBuffer
+from sources import WeightChannel
 from tasks.toy import build_model, build_tokenizer
-from trainer import WeightChannel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,10 +104,10 @@ def test_publishes_alternate_slots_so_a_reader_never_blocks_the_trainer():
 
 TRAINER_HOLDING_THE_LOCK = """
 import sys, time, torch, torch.multiprocessing as mp
-import searcher, tasks, tba
+import config, searcher, tasks
 from buffer import ReplayBuffer
-from trainer import WeightChannel
-cfg = tba.resolve(tba.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
+from sources import WeightChannel
+cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
 policy, tokenizer = tasks.make_task(cfg).load_model(torch.device("cpu"))
 buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens,
                       tokenizer.pad_token_id)
@@ -185,7 +186,7 @@ def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
     """A searcher killed inside `buffer.add` leaves the buffer's lock held for ever. The trainer
     blocked on that lock must still get the SearcherError, not hang. The held lock is made by
     taking it here, so that the trainer's next `buffer.count` blocks as it would."""
-    cfg = tba.resolve(tba.parse_args(["--task", "toy", "--searchers", "1",
+    cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1",
                                       "--out", str(tmp_path)])[0])
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
@@ -253,8 +254,8 @@ def test_trainer_keeps_no_reference_copy_when_searchers_score_it(tiny_model_dir,
     """With searchers the reference log-probs come in the buffer: the trainer holds a frozen
     copy only for the synchronous loop or a task whose evaluation needs it (the toy's exact p*)."""
     def setup(*args):
-        cfg, _ = tba.parse_args([*args, "--out", str(tmp_path / "run")])
-        return tba.load(tba.resolve(cfg))
+        cfg = config.parse_args([*args, "--out", str(tmp_path / "run")])[0]
+        return tba.load(config.resolve(cfg))
     arith = ["--task", "arith", "--model", str(tiny_model_dir)]
     assert setup(*arith, "--searchers", "1").ref_model is None
     assert setup(*arith, "--searchers", "0").ref_model is not None

@@ -14,7 +14,10 @@ import torch
 import torch.multiprocessing as mp
 
 import checkpoint
+import config
 import models
+import sources
+import tasks
 import tba
 import trainer
 from buffer import GroupBatch, ReplayBuffer, shared_bytes
@@ -34,7 +37,7 @@ def toy_model_and_data(tmp_path_factory):
     """A real model folder (the toy's) and a GSM8K-format folder, so that a case can reach the
     data files and fail on them alone."""
     root = tmp_path_factory.mktemp("inputs")
-    model, tokenizer = tba.tasks.make_task(tba.resolve(tba.parse_args(TOY)[0])).load_model("cpu")
+    model, tokenizer = tasks.make_task(config.resolve(config.parse_args(TOY)[0])).load_model("cpu")
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     row = json.dumps({"question": "a b", "answer": "c #### 1"})
@@ -273,8 +276,8 @@ def test_shared_memory_estimate_is_what_the_buffer_and_the_weights_take(tiny_mod
     tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
     assert shared_bytes(7, 3, 5, 11) == sum(t.numel() * t.element_size() for t in tensors)
     model, _ = models.load_model(tiny_model_dir)
-    weights = trainer.WeightChannel(model, 1, mp.get_context("spawn"))
-    assert trainer.WeightChannel.bytes_needed(model) == sum(
+    weights = sources.WeightChannel(model, 1, mp.get_context("spawn"))
+    assert sources.WeightChannel.bytes_needed(model) == sum(
         t.numel() * t.element_size() for slot in weights.slots for t in slot.values())
     weights.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import config
 import tba
 
 ray = pytest.importorskip("ray", reason="Ray is the optional --ray extra: make install-ray")
@@ -95,8 +96,8 @@ def test_a_killed_ray_searcher_stops_the_run_with_a_clear_error(cluster, tmp_pat
 
 
 def test_ray_alone_means_a_cluster_on_this_machine():
-    assert tba.parse_args(["--ray"])[0].ray == "local"
-    assert tba.parse_args(["--ray", "auto"])[0].ray == "auto"
+    assert config.parse_args(["--ray"])[0].ray == "local"
+    assert config.parse_args(["--ray", "auto"])[0].ray == "auto"
 
 
 def test_more_searchers_than_the_cluster_holds_is_bad_input(cluster, tmp_path, capsys):

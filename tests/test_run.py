@@ -1,5 +1,7 @@
 """The run experience: run folder, checkpoints, resume, plots and one-line errors."""
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
+import config
+import run
+import tasks
 import tba
 import trainer
 
@@ -29,7 +34,7 @@ def stop_after(monkeypatch, n_steps):
     def step_then_interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) == n_steps:
-            tba.request_stop(None, None)
+            run.request_stop(None, None)
         return real_step(*args, **kwargs)
     monkeypatch.setattr(trainer, "train_step", step_then_interrupt)
 
@@ -79,26 +84,48 @@ def test_resume_may_switch_between_the_synchronous_loop_and_searchers(tmp_path):
     assert [r["buffer_groups"] > 0 for r in rows] == [False, False, True, True, False, False]
 
 
-def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    assert tba.main([*TOY, "--steps", "4", "--save-every", "2", "--out", str(run)]) == 0
+def test_a_full_disk_mid_checkpoint_is_one_line_and_loses_nothing(tmp_path, monkeypatch, capsys):
+    """The disk fills while checkpoint step_6 is half written (its model is on disk, trainer.pt
+    raises ENOSPC): one `error:` line names what could not be written, the last good checkpoint
+    and the resume command; the half-written folder is removed to give the space back, and
+    resuming from step_4 redoes steps 5 and 6."""
+    run_dir = tmp_path / "run"
+    assert tba.main([*TOY, "--steps", "4", "--save-every", "2", "--out", str(run_dir)]) == 0
     real_save = torch.save
 
-    def crash_while_writing(obj, path, *args, **kwargs):
+    def disk_full_while_writing(obj, path, *args, **kwargs):
         if ".tmp-step_6" in str(path):
-            raise OSError("No space left on device")
+            assert (Path(path).parent / "model" / "model.safetensors").exists()   # part-way
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(obj, path, *args, **kwargs)
+    capsys.readouterr()
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint.torch, "save", crash_while_writing)
-        assert tba.main(["--resume", str(run), "--steps", "8"]) == 1     # a failure, not bad input
-    assert "No space left on device" in (run / "error.log").read_text()
-    assert (run / "checkpoints" / ".tmp-step_6" / "model").is_dir()      # the half-written one
-    assert checkpoint.latest(run).name == "step_4"
-    # Steps 5 and 6 were logged before the crash; resuming from step 4 redoes them.
-    assert tba.main(["--resume", str(run), "--steps", "8"]) == 0
-    assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 9))
-    assert [json.loads(line)["step"] for line in open(run / "metrics.discarded.jsonl")] == [5, 6]
-    assert not list((run / "checkpoints").glob(".tmp-*"))
+        patch.setattr(checkpoint.torch, "save", disk_full_while_writing)
+        assert tba.main(["--resume", str(run_dir), "--steps", "8"]) == 1   # a failure, not bad input
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+    assert len(err) == 1 and err[0].startswith("error: after step 6: cannot write checkpoint "
+                                               f"{run_dir / 'checkpoints' / 'step_6'} (No space "
+                                               "left on device)"), err
+    assert err[0].endswith(f"continue it from step_4 with: python tba.py --resume {run_dir}")
+    assert not (run_dir / "error.log").exists()
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))             # the space given back
+    assert checkpoint.latest(run_dir).name == "step_4"
+    assert tba.main(["--resume", str(run_dir), "--steps", "8"]) == 0
+    assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 9))
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.discarded.jsonl")] == [5, 6]
+
+
+def test_a_failure_whose_traceback_cannot_be_written_is_still_one_line(tmp_path):
+    """error.log goes on the same disk: when it cannot be written either, the error line says
+    what failed, without pointing at a file that does not exist."""
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        failed = run.failure(e, step=3, out=tmp_path / "no" / "such" / "folder")
+        written = run.failure(e, step=3, out=tmp_path)
+    assert str(failed) == "after step 3: RuntimeError: boom"
+    assert str(written).endswith(f"(the traceback is in {tmp_path / 'error.log'})")
+    assert "Traceback" in (tmp_path / "error.log").read_text()
 
 
 def test_checkpoints_load_tensors_only(tmp_path):
@@ -109,7 +136,7 @@ def test_checkpoints_load_tensors_only(tmp_path):
     state = torch.load(ckpt / "trainer.pt", weights_only=True)
     state["payload"] = Path("anything")
     torch.save(state, ckpt / "trainer.pt")
-    model, _ = tba.tasks.make_task(tba.resolve(tba.parse_args(TOY)[0])).load_model("cpu")
+    model, _ = tasks.make_task(config.resolve(config.parse_args(TOY)[0])).load_model("cpu")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
         checkpoint.load(ckpt, model)
 

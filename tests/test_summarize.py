@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
+import config
 import models
 import tba
 from tasks import make_task
@@ -16,8 +17,8 @@ POST = ("My landlord said he would fix the heating in October, it is now January
 
 
 def task(*args):
-    cfg, _ = tba.parse_args(["--task", "summarize", *args])
-    return make_task(tba.resolve(cfg))
+    cfg = config.parse_args(["--task", "summarize", *args])[0]
+    return make_task(config.resolve(cfg))
 
 
 def test_similarity_reward_orders_summaries():

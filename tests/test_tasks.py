@@ -27,7 +27,7 @@ needs_smollm2 = pytest.mark.skipif(
 
 
 def task_config(**overrides):
-    """The fields the math tasks read, as `tba.resolve` would fill them."""
+    """The fields the math tasks read, as `config.resolve` would fill them."""
     cfg = dict(data_dir=str(DATA), prompt_style="auto", max_prompt_len=512, eval_n=4,
                eval_batch_size=4, max_new_tokens=16, out="", arith_digits=2, arith_steps=2,
                arith_ops="+-", quiet=True, eval_samples=0, temperature=1.0)

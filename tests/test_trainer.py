@@ -9,7 +9,7 @@ import models
 from buffer import GroupBatch
 from tasks.toy import build_model, build_tokenizer
 from trainer import (beta_at, check_output_layer, enable_activation_checkpointing, group_inputs,
-                     make_optimizer, rloo_loss, sequence_logprobs, tb_loss, train_step, wsd_factor)
+                     make_optimizer, rloo_loss, sequence_logprobs, tb_loss, train_step, WSD)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,8 @@ def test_schedules():
     assert beta_at(0, 0.014, 0.004, 500) == pytest.approx(0.014)
     assert beta_at(250, 0.014, 0.004, 500) == pytest.approx(0.009)
     assert beta_at(900, 0.014, 0.004, 500) == pytest.approx(0.004)
-    factors = [wsd_factor(s, total_steps=10, warmup_steps=2, decay_steps=4) for s in range(10)]
+    schedule = WSD(total_steps=10, warmup_steps=2, decay_steps=4)
+    factors = [schedule(s) for s in range(10)]
     assert factors == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
 
 
@@ -160,7 +161,7 @@ def test_micro_batches_give_the_same_step(toy):
         # plain SGD, so parameters move by exactly lr · gradient (Adam's first step is ~sign(g))
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        stats = train_step(policy, optimizer, scheduler, batch, 0.5, "tb",
+        stats = train_step(policy, optimizer, scheduler, batch, beta=0.5, loss="tb",
                            micro_groups=micro_groups, max_grad_norm=1.0)
         results.append((stats, torch.cat([p.flatten() for p in policy.parameters()])))
     (full, full_params), (micro, micro_params) = results
@@ -182,7 +183,8 @@ def test_tb_and_rloo_take_the_same_clipped_step(toy):
     for loss in ("tb", "rloo"):
         policy = copy.deepcopy(model)
         optimizer, scheduler = make_optimizer(policy, 1e-2, 10, 0, 0)
-        stats = train_step(policy, optimizer, scheduler, batch, beta, loss, max_grad_norm=1.0)
+        stats = train_step(policy, optimizer, scheduler, batch, beta=beta, loss=loss,
+                           max_grad_norm=1.0)
         grads[loss] = stats["grad_norm"]
         params[loss] = torch.cat([p.flatten() for p in policy.parameters()])
     assert grads["tb"] == pytest.approx((2 / beta) * (k - 1) / k * grads["rloo"], rel=1e-4)
@@ -239,7 +241,7 @@ def test_split_groups_and_checkpointing_give_the_whole_group_step(toy, loss):
             enable_activation_checkpointing(trained)
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        stats = train_step(trained, optimizer, scheduler, batch, 0.5, loss, micro_groups=1,
+        stats = train_step(trained, optimizer, scheduler, batch, beta=0.5, loss=loss, micro_groups=1,
                            micro_completions=micro_completions)
         assert trained.is_activation_checkpointing == checkpointing
         assert not trained.training                     # back in eval mode for sampling

@@ -1,0 +1,425 @@
+"""The settings of a run: every flag, where its value comes from, and the checks it must pass.
+
+A value comes from, in order of precedence: the command line, a recipe (`--config FILE.toml`,
+keys are the flag names), the task's choice (the flags whose default reads "the task's
+choice"), the flag's own default. Every rule is checked here, before anything is loaded or
+written: a bad value is one `error:` line (exit 2) that says how to fix it.
+
+    cfg, given, actions = parse_args(argv)    # `given`: the fields the user set
+    cfg = resolve(cfg)                         # the task's choices filled in, everything checked
+    print(describe(cfg, given))               # what this run will use
+"""
+import argparse
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import models
+import tasks
+from tasks import scorers
+
+
+def flag(default, help, valid=None, bare=None):
+    """A Config field: its default, its --help text and, for numbers and choices, the rule its
+    value must follow (`valid`), checked by `check_ranges` before anything is loaded. A flag with
+    a `bare` value may be given without one (`--ray` means `--ray local`)."""
+    return field(default=default, metadata={"help": help, "valid": valid, "bare": bare})
+
+
+# Rules for `flag(valid=...)`: (test, how the valid values read in an error and in --help).
+def at_least(low):
+    return (lambda v: v >= low), f"at least {low}"
+
+
+def within(low, high):
+    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+
+
+def one_of(*choices):
+    return (lambda v: v in choices), "one of " + ", ".join(choices)
+
+
+POSITIVE = (lambda v: v > 0), "greater than 0"
+TASK_DEFAULT = "(default: the task's choice)"
+# What may change when a run is resumed: how long it goes on, how it is watched and where it
+# runs. Everything else would make the resumed run a different experiment.
+RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
+                    "save_every", "keep_checkpoints", "quiet", "searchers", "ray", "device",
+                    "micro_groups", "micro_completions", "activation_checkpointing", "dtype")
+
+
+@dataclass
+class Config:
+    # what to train
+    task: str = flag("toy", "task to train on: " + ", ".join(tasks.TASKS)
+                            + ", or your own Task subclass as module:Class")
+    model: str = flag("", "hub id, local HF folder or .gguf file (default: the task's model, "
+                          f"{models.DEFAULT_MODEL} for language tasks)")
+    trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
+    data_dir: str = flag("", "gsm8k, summarize, tldr: folder holding train.jsonl and test.jsonl "
+                             "(gsm8k default: ../shared/data/gsm8k when it exists, else the "
+                             "hub's openai/gsm8k)")
+    prompt_style: str = flag("auto", "language tasks: chat (the tokenizer's chat template) or "
+                                     "plain ('[MATH TASK] Problem: ...', '...\\nTL;DR:'); auto: "
+                                     "chat when the tokenizer has a chat template", one_of("auto", "chat", "plain"))
+    max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
+                                     f"{TASK_DEFAULT}", at_least(1))
+    eval_batch_size: int = flag(16, "prompts per batch of evaluation",
+                                at_least(1))
+    eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
+                                   "at --temperature and log their mean reward as "
+                                   "eval/sampled_accuracy (0: greedy only); summarize, tldr: "
+                                   "summaries sampled per test text for eval/win_rate and "
+                                   f"eval/kl (at least 1) {TASK_DEFAULT}",
+                             at_least(0))
+    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}",
+                             within(1, 9))
+    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}", within(1, 20))
+    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}",
+                          ((lambda v: v and set(v) <= set("+-*")), "made of + - *"))
+    dataset: str = flag(None, "summarize, tldr: aclsum (packaged), or a hub dataset of prompt "
+                              "and completion (or label) rows, e.g. trl-lib/tldr; --data-dir "
+                              f"takes local jsonl files instead {TASK_DEFAULT}")
+    reward_model: str = flag("similarity", "summarize, tldr: similarity (a stand-in: MiniLM "
+                                           "cosine to the reference, minus a length term), or a "
+                                           "hub id or folder of a one-output sequence classifier, "
+                                           "e.g. cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
+    judge_model: str = flag("", "summarize, tldr: scores eval/win_rate (default: --reward-model; "
+                                "the paper judges with a larger 'gold' reward model)")
+    victim_model: str = flag("", "redteam: the frozen chatbot that answers each attack: hub id, "
+                                 f"local HF folder or .gguf file (default: {models.DEFAULT_MODEL})")
+    victim_samples: int = flag(None, f"redteam: answers per attack {TASK_DEFAULT}", at_least(1))
+    victim_max_new_tokens: int = flag(None, f"redteam: longest answer, in tokens {TASK_DEFAULT}",
+                                      at_least(1))
+    toxicity_model: str = flag(scorers.DEFAULT_TOXICITY,
+                               "redteam: scores the answers: the packaged Jigsaw classifier "
+                               "(word-level: insults, profanity), or a hub id or local folder of "
+                               "a transformers sequence classifier, e.g. "
+                               "facebook/roberta-hate-speech-dynabench-r4-target")
+    # how much
+    steps: int = flag(None, f"trainer steps {TASK_DEFAULT}", at_least(1))
+    prompts_per_step: int = flag(None, f"B, prompts (groups) per trainer step {TASK_DEFAULT}",
+                                 at_least(1))
+    group_size: int = flag(None, f"K, completions sampled per prompt; log Z is estimated from "
+                                 f"the spread within each group {TASK_DEFAULT}", at_least(2))
+    max_new_tokens: int = flag(None, f"longest completion, in tokens {TASK_DEFAULT}", at_least(1))
+    temperature: float = flag(None, "sampling temperature, also used to score log-probs "
+                                    f"{TASK_DEFAULT}", POSITIVE)
+    # the objective
+    loss: str = flag("tb", "tb (trajectory balance, valid off-policy) or rloo (on-policy "
+                           "baseline: needs --searchers 0, or --rloo-off-policy)", one_of("tb", "rloo"))
+    rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
+                                        "groups, although it is an on-policy loss (biased there)")
+    beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
+    beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
+    beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
+                           at_least(0))
+    # the optimiser
+    lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
+    warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
+                             at_least(0))
+    decay_steps: int = flag(None, "final steps of linear decay to 0 (WSD); the schedule is set by "
+                                  "the run's first --steps, so a resumed run that goes on past "
+                                  f"them continues at the decayed rate {TASK_DEFAULT}", at_least(0))
+    micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
+                                   f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}",
+                             at_least(0))
+    micro_completions: int = flag(0, "at most this many completions per gradient pass, splitting a "
+                                     "group when needed: a no-grad pass scores the whole group "
+                                     "first, so memory stops growing with K (same gradient, one "
+                                     "more forward pass; 0: whole groups)", at_least(0))
+    activation_checkpointing: bool = flag(None, "keep only each decoder layer's input for "
+                                                "backward and recompute the rest: ~1/3 more "
+                                                "trainer compute, a fraction of the memory "
+                                                f"(--no-activation-checkpointing: off) {TASK_DEFAULT}")
+    dtype: str = flag("auto", "precision of forward passes: autocast to bfloat16 or float16 "
+                              "(with loss scaling) over float32 weights and optimiser state, or "
+                              "float32; auto: bfloat16 on GPUs that have it, float32 on CPU",
+                      one_of("auto", "float32", "bfloat16", "float16"))
+    max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)", at_least(0))
+    # asynchrony
+    searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
+                                "(default: GPUs - 1, at least 1)", at_least(0))
+    ray: str = flag("", "run the searchers as Ray actors: 'local' (or --ray alone) starts a Ray "
+                        "cluster on this machine, 'auto' joins the one `ray start` made, "
+                        "HOST:PORT or ray://HOST:PORT another; the trainer stays here "
+                        "(pip install 'ray==2.60.0')", bare="local")
+    sync_every: int = flag(None, f"k: publish the trainer's weights every k steps {TASK_DEFAULT}",
+                           at_least(1))
+    recent_frac: float = flag(None, "m: each sampled group comes from the newest weights in the "
+                                    f"buffer with probability m, else from all of it {TASK_DEFAULT}",
+                              within(0, 1))
+    priority_temp: float = flag(0.0, "when > 0, draw the non-recent groups with probability "
+                                     "∝ exp(mean group reward / priority_temp); 0: uniformly",
+                                at_least(0))
+    min_buffer: int = flag(None, f"groups in the buffer before training starts {TASK_DEFAULT}",
+                           at_least(0))
+    buffer_capacity: int = flag(None, f"groups the replay buffer holds; the oldest go first "
+                                      f"{TASK_DEFAULT}", at_least(1))
+    max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
+                                  "trainer, waiting for fresher ones if needed (-1: no bound)",
+                              at_least(-1))
+    max_reuse: int = flag(None, "train on each group at most this many times, waiting for new "
+                                f"ones if needed (0: no bound) {TASK_DEFAULT}", at_least(0))
+    # evaluation and output
+    eval_every: int = flag(None, f"evaluate every this many steps (0: only at start and end) "
+                                 f"{TASK_DEFAULT}", at_least(0))
+    eval_n: int = flag(None, f"test prompts to evaluate on (0: all) {TASK_DEFAULT}", at_least(0))
+    out: str = flag("", "run folder (default: runs/<task>-<timestamp>)")
+    save_every: int = flag(None, "write a checkpoint every this many steps; one is also written "
+                                 f"at the end and on Ctrl-C (0: only those) {TASK_DEFAULT}",
+                           at_least(0))
+    keep_checkpoints: int = flag(2, "how many of the newest checkpoints stay on disk (0: all)",
+                                 at_least(0))
+    resume: str = flag("", "continue the run in this folder from its newest checkpoint with its "
+                           "settings; only " + ", ".join("--" + f.replace("_", "-")
+                                                        for f in RESUME_OVERRIDES)
+                           + " may be given again, to change them")
+    quiet: bool = flag(False, "no progress bars: log lines only")
+    seed: int = flag(0, "random seed", within(0, 2**32 - 1))
+    device: str = flag("auto", "torch device for the trainer: auto, cpu, cuda, cuda:1, ...")
+
+
+
+# The groups in which `describe` prints the settings: each starts at its first field.
+SECTIONS = {"task": "what to train", "steps": "how much", "loss": "the objective",
+            "lr": "the optimiser", "searchers": "asynchrony", "eval_every": "evaluation and output"}
+# The learning-rate and β schedules: all three must fit in the run's --steps.
+SCHEDULE = ("warmup_steps", "decay_steps", "beta_steps")
+# Command-line actions, not settings of the run: they are not stored in its config.json.
+ACTIONS = {"config": "read flags from a recipe, a TOML file whose keys are flag names "
+                     "(prompts-per-step = 4); flags on the command line override it",
+           "dry_run": "print the resolved settings, checked, and exit without loading or "
+                      "writing anything"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's own errors (an unknown flag, a word where a number goes) follow the rule
+        of every other bad input: one line, exit 2, from `main`."""
+        raise ValueError(f"{message} (see python tba.py --help)")
+
+
+def build_parser(with_defaults=True):
+    parser = ArgumentParser(
+        description="tba: Trajectory Balance with Asynchrony, on one machine",
+        epilog="python tba.py plot RUN [RUN ...] draws the curves of one or several runs")
+    for f in dataclasses.fields(Config):
+        name = "--" + f.name.replace("_", "-")
+        valid = f.metadata["valid"]
+        help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
+                + (f" (default: {f.default})" if f.default not in (None, "") else ""))
+        default = f.default if with_defaults else argparse.SUPPRESS
+        if f.type is bool:               # on/off, or --x/--no-x when the task chooses
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type.__name__]
+            bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
+            parser.add_argument(name, type=kind, default=default, help=help, **bare)
+    parser.add_argument("--config", metavar="FILE.toml", default=None if with_defaults
+                        else argparse.SUPPRESS, help=ACTIONS["config"])
+    parser.add_argument("--dry-run", action="store_true", default=False if with_defaults
+                        else argparse.SUPPRESS, help=ACTIONS["dry_run"])
+    return parser
+
+
+def parse_args(argv=None):
+    """-> (Config, names of the fields set by the command line or the recipe, actions)
+
+    actions: {"config": the recipe's path or None, "dry_run": bool}."""
+    values = vars(build_parser().parse_args(argv))
+    given = set(vars(build_parser(with_defaults=False).parse_args(argv)))
+    actions = {name: values.pop(name) for name in ACTIONS}
+    given -= set(ACTIONS)
+    if actions["config"]:
+        recipe = read_recipe(actions["config"])
+        values.update({name: value for name, value in recipe.items() if name not in given})
+        given |= set(recipe)
+    return Config(**values), given, actions
+
+
+KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def read_recipe(path):
+    """A recipe's flags, type- and range-checked. -> {field name: value}
+
+    Keys are flag names without the dashes (`group-size`, or `group_size`); values have the
+    flag's type (TOML integers are accepted where a float goes)."""
+    try:
+        recipe = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read it ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path} is not valid TOML ({e})") from None
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for key, value in recipe.items():
+        name = key.replace("-", "_")
+        if name not in fields or name == "resume":
+            raise ValueError(f"{path}: unknown key {key!r}: keys are the flags of python tba.py "
+                             "--help without their dashes, e.g. group-size = 8")
+        if name in values:
+            raise ValueError(f"{path}: {key!r} is set twice (as {name.replace('_', '-')} and "
+                             f"{name}): keep one")
+        kind = fields[name].type
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise ValueError(f"{path}: {key} = {value!r} must be {KINDS[kind]}")
+        valid = fields[name].metadata["valid"]
+        if valid and not passes(valid, value):
+            raise ValueError(f"{path}: {key} = {value!r} must be {valid[1]}")
+        values[name] = value
+    return values
+
+
+def passes(valid, value):
+    """A value against its field's rule: NaN and infinities never pass, whatever the rule."""
+    test, _ = valid
+    return not (isinstance(value, float) and not math.isfinite(value)) and bool(test(value))
+
+
+def check_ranges(cfg):
+    """Every field against its own rule."""
+    for f in dataclasses.fields(Config):
+        value, valid = getattr(cfg, f.name), f.metadata["valid"]
+        if value is not None and valid is not None and not passes(valid, value):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be {valid[1]} (got {value})")
+def check_combination(cfg):
+    """The rules that tie fields together."""
+    task = tasks.task_class(cfg.task)
+    if cfg.eval_samples < task.min_eval_samples:
+        raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on sampled "
+                         f"completions: use {task.min_eval_samples} or more")
+    if cfg.searchers and cfg.buffer_capacity < max(cfg.min_buffer, cfg.prompts_per_step):
+        raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the "
+                         f"{max(cfg.min_buffer, cfg.prompts_per_step)} groups the trainer waits "
+                         "for (--min-buffer, --prompts-per-step): raise it")
+    if 0 <= cfg.max_staleness < cfg.sync_every - 1:
+        raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
+                         f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
+    if cfg.loss == "rloo" and cfg.searchers and not cfg.rloo_off_policy:
+        raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
+                         "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
+                         "to train it off-policy anyway")
+    if cfg.ray:
+        if not cfg.searchers:
+            raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "
+                             "is 0: use --searchers 1 or more")
+        if cfg.ray not in ("local", "auto") and not re.fullmatch(r"(ray://)?[^:\s]+:\d+", cfg.ray):
+            raise ValueError(f"--ray {cfg.ray}: pass local, auto, HOST:PORT or ray://HOST:PORT")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"--ray {cfg.ray}: Ray is not installed: pip install 'ray==2.60.0' "
+                             "(or make install-ray)")
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        raise ValueError(f"--device {cfg.device!r} is not a torch device: use auto, cpu, cuda "
+                         "or cuda:N") from None
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has no CUDA GPU that torch "
+                             "can use: use --device cpu")
+        if device.index is not None and device.index >= gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has {gpus} GPU(s), "
+                             f"cuda:0 to cuda:{gpus - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {cfg.device}: tba runs on cpu or cuda devices")
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and cfg.ray in ("", "local") and cfg.searchers > cores:
+        raise ValueError(f"--searchers {cfg.searchers} needs at least one CPU core each but this "
+                         f"machine has {cores}: use --searchers {cores} or fewer")
+
+
+
+
+def fit_schedule(cfg, from_task, task_steps):
+    """Warm-up + decay, and β's annealing, must fit in --steps: a trial run shorter than the
+    task's gets the task's schedule shrunk in proportion (shown by `describe`); a schedule the
+    user gave that does not fit is refused, not trained silently at a fraction of the peak lr.
+    from_task: the SCHEDULE fields the task chose."""
+    def fits(c):
+        return c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
+    if fits(cfg):
+        return cfg
+    scale = cfg.steps / task_steps
+    cfg = dataclasses.replace(cfg, **{name: round(getattr(cfg, name) * scale)
+                                      for name in SCHEDULE if name in from_task})
+    if cfg.warmup_steps + cfg.decay_steps > cfg.steps:
+        raise ValueError(f"the learning-rate schedule does not fit in --steps {cfg.steps}: "
+                         f"--warmup-steps {cfg.warmup_steps} + --decay-steps {cfg.decay_steps} "
+                         f"= {cfg.warmup_steps + cfg.decay_steps}: shorten them or train longer")
+    if cfg.beta_steps > cfg.steps:
+        raise ValueError(f"--beta-steps {cfg.beta_steps} is longer than the run's --steps "
+                         f"{cfg.steps}: β would never reach --beta-final; use --beta-steps "
+                         f"{cfg.steps} or fewer")
+    return cfg
+
+
+def resolve(cfg):
+    """Fill the fields left unset with the task's defaults (and the machine's), fit the schedule
+    to the run, and check every value and the combination."""
+    task_defaults = tasks.task_class(cfg.task).defaults
+    from_task = {k for k in task_defaults if getattr(cfg, k) is None}
+    cfg = dataclasses.replace(cfg, **{k: task_defaults[k] for k in from_task})
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = ("bfloat16" if cfg.device.startswith("cuda") and torch.cuda.is_available()
+                     and torch.cuda.is_bf16_supported() else "float32")
+    if cfg.searchers is None:
+        cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
+    if not cfg.out:
+        cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_ranges(cfg)
+    if not cfg.resume:          # a resumed run keeps the schedule of its first session
+        cfg = fit_schedule(cfg, from_task, task_defaults.get("steps", cfg.steps))
+    check_combination(cfg)
+    return cfg
+
+
+def describe(cfg, given, width=100):
+    """The settings a run uses, compactly: by group, only those that differ from the flags'
+    defaults; * marks a choice of the task (or of the machine: device, dtype, searchers), and a
+    task's schedule fitted to a shorter run says so. On --resume, the run's saved settings."""
+    task_defaults = tasks.task_class(cfg.task).defaults
+    groups, title = {}, None
+    for f in dataclasses.fields(Config):
+        title = SECTIONS.get(f.name, title)
+        value = getattr(cfg, f.name)
+        if value != f.default and f.name not in ("task", "resume", "out"):
+            mark = "*" if not cfg.resume and f.name not in given else ""
+            groups.setdefault(title, []).append(f"{f.name.replace('_', '-')}={value}{mark}")
+    if cfg.resume:
+        lines = [f"resuming {cfg.out} (task {cfg.task}) with its settings:"]
+    else:
+        lines = [f"run {cfg.out}, task {cfg.task} (* the task's or the machine's choice; the "
+                 "rest as in --help):"]
+    for title, items in groups.items():
+        line = f"  {title}:"
+        for item in items:                       # wrapped at `width` characters
+            if len(line) + 1 + len(item) > width:
+                lines.append(line)
+                line = " " * (len(title) + 3)
+            line += " " + item
+        lines.append(line)
+    fitted = [name for name in SCHEDULE if name not in given
+              and getattr(cfg, name) != task_defaults.get(name, getattr(cfg, name))]
+    if fitted and not cfg.resume:
+        lines.append(f"  fitted to --steps {cfg.steps}: the task's schedule ("
+                     + ", ".join(f"{n.replace('_', '-')} {task_defaults[n]}" for n in fitted)
+                     + f") is for {task_defaults['steps']} steps")
+    return "\n".join(lines)

@@ -1,0 +1,273 @@
+"""A run's life outside the algorithm: its folder, its log, resuming it, stopping it, its failures.
+
+    runs/<name>/config.json      every resolved setting, the software versions, where each
+                                 process ran
+    runs/<name>/metrics.jsonl    one JSON row per trainer step and per evaluation
+    runs/<name>/checkpoints/     what `state` returns, written by checkpoint.py; `restore`
+                                 reads the newest back
+    runs/<name>/final/           the trained model, an HF folder
+    runs/<name>/error.log        the traceback of a run that failed part-way
+
+A new run never writes into another run's folder; `--resume` continues one with its own
+settings (`resumed_config`) and state (`restore`). Ctrl-C or `kill` stops at the end of the
+current step and writes a checkpoint there. A run that fails part-way ends with one `error:`
+line saying where its metrics are and how to continue it.
+"""
+import dataclasses
+import errno
+import json
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import config
+import searcher
+import trainer
+from checkpoint import WriteError
+
+
+def check_out_folder(cfg, try_writing=True):
+    """The run folder can be written, and a new run never writes into another run's folder."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: pass a folder")
+    if not cfg.resume and ((out / "config.json").exists() or (out / "metrics.jsonl").exists()):
+        raise ValueError(f"{out} already holds a run: continue it with --resume {out}, or pass "
+                         "another --out")
+    parent = out
+    while not parent.exists():               # the folder that the run's folder will go into
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder: pass another --out")
+    try:                                     # the only sure test of "can I write here", root too
+        if try_writing:
+            tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror}): pass a "
+                         "writable folder") from None
+
+
+# ---------------------------------------------------------------- resuming: settings and state
+def read_run_config(run):
+    """The settings stored in a run folder's config.json."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
+                         "written by tba.py, such as runs/<name>")
+    try:
+        saved = json.loads(path.read_text())["config"]
+        assert isinstance(saved, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    fields = {f.name for f in dataclasses.fields(config.Config)}
+    if set(saved) != fields:
+        differ = sorted(set(saved) ^ fields)
+        raise ValueError(f"{run} was written by an incompatible version of tba (settings "
+                         f"{', '.join(differ)} differ): resume it with that version")
+    return saved
+
+
+def resumed_config(cfg, given):
+    """The settings of the run in --resume, with the flags given again (RESUME_OVERRIDES) applied."""
+    run = Path(cfg.resume)
+    if not run.is_dir():
+        raise ValueError(f"--resume {run}: no such folder (pass a run folder, such as runs/<name>)")
+    saved = read_run_config(run)
+    allowed = ", ".join("--" + f.replace("_", "-") for f in config.RESUME_OVERRIDES)
+    for name in sorted(given - {"resume"}):
+        if name not in config.RESUME_OVERRIDES and getattr(cfg, name) != saved[name]:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} differs from the "
+                             f"resumed run's {saved[name]}: on resume only {allowed} may change; "
+                             "start a new run (--out) to change the rest")
+    latest = checkpoint.latest(run)
+    if latest is None:
+        raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
+                         "one): start it again with another --out, or delete the folder")
+    overrides = {name: getattr(cfg, name) for name in given if name in config.RESUME_OVERRIDES}
+    cfg = config.resolve(config.Config(**{**saved, **overrides, "resume": str(run),
+                                          "out": str(run)}))
+    if checkpoint.step_of(latest) >= cfg.steps:
+        raise ValueError(f"{run} is already at step {checkpoint.step_of(latest)}: pass --steps "
+                         "with a larger number to train it further")
+    return cfg
+
+
+@dataclass
+class Progress:
+    """How far the run has come, over all its sessions."""
+    step: int = 0                    # trainer updates done
+    samples: int = 0                 # completions trained on
+    tokens: int = 0                  # completion tokens generated
+    groups: int = 0                  # groups generated
+    elapsed: float = 0.0             # wall-clock seconds
+
+
+def state(progress, *, optimizer, scheduler, scaler, task, source):
+    """Everything a checkpoint holds besides the weights: with the weights, the run continues
+    exactly where it stopped (the learning-rate schedule's length travels in `scheduler`)."""
+    return {**dataclasses.asdict(progress), "task": task.state_dict(),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "source": source.state_dict(),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, source):
+    """Load the run's newest checkpoint into these, in place; `steps` is the resumed run's
+    --steps, which may go past the schedule of its first session. -> Progress"""
+    latest = checkpoint.latest(run_dir)
+    print(f"resuming {run_dir} at {latest.name}", flush=True)
+    saved = checkpoint.load(latest, policy)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    scaler.load_state_dict(saved["scaler"])
+    task.load_state_dict(saved["task"])
+    try:
+        source.load_state_dict(saved["source"], step=saved["step"])
+    except ValueError as e:
+        raise checkpoint.CheckpointError(f"{latest / 'buffer.pt'} is invalid ({e}): delete "
+                                         f"{latest} to resume from the checkpoint before it") from None
+    torch.set_rng_state(saved["rng"]["torch"])
+    if saved["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    schedule = scheduler.lr_lambdas[0]
+    if steps > schedule.total_steps:
+        print(f"note: the learning-rate schedule was set for {schedule.total_steps} steps; steps "
+              f"past them train at lr {scheduler.get_last_lr()[0]:.3g} and below", file=sys.stderr)
+    return Progress(**{f.name: saved[f.name] for f in dataclasses.fields(Progress)})
+
+
+# ---------------------------------------------------------------- the folder's files
+def write_json(path, value):
+    """Write JSON atomically: a crash leaves the old file or the new one, never half of one."""
+    tmp = Path(path).with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise WriteError(f"cannot write {path} ({e.strerror or e})") from e
+
+
+def run_record(cfg, layout):
+    """config.json: every resolved setting, the software versions and where each process ran."""
+    import platform
+    import subprocess
+    import transformers
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    return {"config": dataclasses.asdict(cfg),
+            "versions": {"tba": commit, "python": platform.python_version(),
+                         "torch": torch.__version__, "transformers": transformers.__version__},
+            "layout": {"trainer": str(layout.device), "searchers": layout.searcher_devices,
+                       "threads_per_process": layout.threads, "cpu_count": os.cpu_count(),
+                       "gpus": torch.cuda.device_count()}}
+
+
+class MetricsLog:
+    """Appends one JSON object per line to runs/<name>/metrics.jsonl, flushed every row."""
+
+    def __init__(self, path, resume_step=None):
+        """With `resume_step`, the rows after that step (written after the checkpoint, by a run
+        that then died) are moved to metrics.discarded.jsonl: the resumed run redoes them."""
+        self.path = path = Path(path)
+        if resume_step is not None and path.exists():
+            rows = path.read_text().splitlines(keepends=True)
+            steps = [MetricsLog.step_of(r) for r in rows]
+            keep = [step is not None and step <= resume_step for step in steps]
+            if not all(keep):
+                with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+                    f.writelines(r for r, k in zip(rows, keep) if not k)
+                kept = [r for r, k in zip(rows, keep) if k]
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, path)
+        self.file = open(path, "a")
+
+    @staticmethod
+    def step_of(line):
+        """The step of a metrics line; None for a line cut short by a crash."""
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, row):
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise WriteError(f"cannot write {self.path} ({e.strerror or e})") from e
+
+
+# ---------------------------------------------------------------- stopping and failing
+stop_signals = 0
+
+
+def request_stop(signum, frame):
+    """Ctrl-C or `kill`: stop at the end of the current step, where no lock or queue is in use,
+    and save a checkpoint there; a second one stops at once."""
+    global stop_signals
+    stop_signals += 1
+    if stop_signals > 1:
+        raise KeyboardInterrupt
+    os.write(2, b"\nstopping after this step (press Ctrl-C again to stop at once)\n")
+
+
+def check_stop():
+    """Called between steps (and while waiting for groups): a requested stop happens here."""
+    if stop_signals:
+        raise KeyboardInterrupt
+
+
+def stopped_between_steps():
+    """Was the stop requested once, so that it happened at a step boundary?"""
+    return stop_signals == 1
+
+
+@contextmanager
+def stopping_on_signals():
+    """SIGINT and SIGTERM request a stop (`request_stop`) while the run trains."""
+    global stop_signals
+    stop_signals = 0
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class RunFailed(Exception):
+    """The run stopped part-way for a reason other than bad input; the message says why."""
+
+
+def failure(error, step, out):
+    """The RunFailed that ends a run after `step` because of `error`. A searcher's death or a
+    non-finite step explains itself; a failed write names what could not be written (nothing
+    before it is lost); anything else leaves its traceback in error.log, if that can be written."""
+    if isinstance(error, (searcher.SearcherError, trainer.NonFiniteError, WriteError)):
+        return RunFailed(f"after step {step}: {error}")
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return RunFailed(f"after step {step}: cannot write {error.filename} ({error.strerror})")
+    reason = f"after step {step}: {type(error).__name__}: {error}"
+    try:
+        (Path(out) / "error.log").write_text(traceback.format_exc())
+        return RunFailed(f"{reason} (the traceback is in {Path(out) / 'error.log'})")
+    except OSError:
+        return RunFailed(reason)
+
+
+def how_to_continue(out):
+    """The rest of a failed run's error line: where its metrics are and how to go on."""
+    latest = checkpoint.latest(out)
+    return (f"metrics so far are in {out}/metrics.jsonl; "
+            + (f"continue it from {latest.name} with: python tba.py --resume {out}" if latest
+               else "no checkpoint was written: start it again with another --out"))
