@@ -22,7 +22,10 @@ run: install
 test: install install-ray
 	$(PYTHON) -m pytest -q
 
+test-gpu: install install-ray   # the CUDA tests (skipped without a GPU): run on a GPU machine
+	$(PYTHON) -m pytest -q -rs tests/test_gpu.py
+
 notebooks: install     # run every notebook in notebooks/ top to bottom, and the graders
 	$(PYTHON) -m pytest -q tests/test_notebooks.py
 
-.PHONY: install install-ray run test notebooks
+.PHONY: install install-ray run test test-gpu notebooks

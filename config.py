@@ -72,8 +72,10 @@ class Config:
                                      "chat when the tokenizer has a chat template", one_of("auto", "chat", "plain"))
     max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
                                      f"{TASK_DEFAULT}", at_least(1))
-    eval_batch_size: int = flag(16, "prompts per batch of evaluation",
-                                at_least(1))
+    eval_batch_size: int = flag(64, "prompts per batch of evaluation: larger batches decode "
+                                    "faster (arith's 128 test prompts: 40 s in batches of 16, "
+                                    "34 s in 64, 29 s in 128, on 2 CPU cores) and hold more "
+                                    "memory", at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
                                    "at --temperature and log their mean reward as "
                                    "eval/sampled_accuracy (0: greedy only); summarize, tldr: "
@@ -142,7 +144,8 @@ class Config:
                                                 f"(--no-activation-checkpointing: off) {TASK_DEFAULT}")
     dtype: str = flag("auto", "precision of forward passes: autocast to bfloat16 or float16 "
                               "(with loss scaling) over float32 weights and optimiser state, or "
-                              "float32; auto: bfloat16 on GPUs that have it, float32 on CPU",
+                              "float32; auto: bfloat16 on GPUs that have it and on CPUs that "
+                              "have it natively and measure faster in it, else float32",
                       one_of("auto", "float32", "bfloat16", "float16"))
     max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)", at_least(0))
     # asynchrony
@@ -174,9 +177,10 @@ class Config:
                                  f"{TASK_DEFAULT}", at_least(0))
     eval_n: int = flag(None, f"test prompts to evaluate on (0: all) {TASK_DEFAULT}", at_least(0))
     out: str = flag("", "run folder (default: runs/<task>-<timestamp>)")
-    save_every: int = flag(None, "write a checkpoint every this many steps; one is also written "
-                                 f"at the end and on Ctrl-C (0: only those) {TASK_DEFAULT}",
-                           at_least(0))
+    save_every: int = flag(None, "write a checkpoint (weights, optimiser, replay buffer: what "
+                                 "--resume needs) every this many steps and at the end; 0: only "
+                                 "on Ctrl-C, the trained model still goes to final/ "
+                                 f"{TASK_DEFAULT}", at_least(0))
     keep_checkpoints: int = flag(2, "how many of the newest checkpoints stay on disk (0: all)",
                                  at_least(0))
     resume: str = flag("", "continue the run in this folder from its newest checkpoint with its "
@@ -377,9 +381,10 @@ def resolve(cfg):
     cfg = dataclasses.replace(cfg, **{k: task_defaults[k] for k in from_task})
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.dtype == "auto":
-        cfg.dtype = ("bfloat16" if cfg.device.startswith("cuda") and torch.cuda.is_available()
-                     and torch.cuda.is_bf16_supported() else "float32")
+    if cfg.dtype == "auto":             # bfloat16 where the hardware has it and it is faster
+        gpu = cfg.device.startswith("cuda") and torch.cuda.is_available()
+        cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
+                     or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")
     if cfg.searchers is None:
         cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
     if not cfg.out:

@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -162,6 +163,28 @@ def autocast(device, dtype):
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def cpu_bfloat16_is_faster(size=512, repeats=3):
+    """Does this CPU multiply in bfloat16 natively (oneDNN's check: AVX-512 BF16 or AMX) and
+    measurably faster than in float32? Without native support bfloat16 is emulated: on an AMD
+    EPYC with AVX2 a 2048³ matmul ran at under 1 GFLOP/s against 187 in float32
+    (bench/roofline.py), while on an Intel Xeon with AMX autocast was 1.5× faster."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y
+        seconds[dtype] = min(_seconds(lambda: x @ y) for _ in range(repeats))
+    return seconds[torch.bfloat16] < 0.8 * seconds[torch.float32]
+
+
+def _seconds(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def use_device(device):
     """Make `device` this process's GPU, with TF32 matmuls (float32 matmuls on tensor cores with
     a 10-bit mantissa: 8× the float32 rate of an A100). Trainer and searchers both call it, so
@@ -208,19 +231,31 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
     A set `stop_event` (multiprocessing.Event) ends generation after the current token, so a
     searcher told to stop does not finish a long batch first.
+
+    Each prompt's keys and values are computed once, not once per sample: all but its last
+    token are prefilled, the cache is repeated `num_samples`-fold, and `generate` goes on from
+    the last token. The random draws are the same as with the prompts repeated first, so a seed
+    gives the same tokens (tests/test_models.py).
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                   # [B, P]
     ids, mask = ids.to(device), mask.to(device)
+    b, p = ids.shape
+    cache = None
+    if num_samples > 1 and p > 1:
+        cache = model.base_model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+                                 position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+                                 use_cache=True).past_key_values               # [B, ·, P-1, ·]
+        cache.batch_repeat_interleave(num_samples)                             # [B·n, ·, P-1, ·]
     eos = eos_ids(model, tokenizer)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=not greedy, num_return_sequences=num_samples,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-        **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
+        max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos, **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+    out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
+                         attention_mask=mask.repeat_interleave(num_samples, 0),
+                         past_key_values=cache, generation_config=config,
                          stopping_criteria=stopping)
-    b, p = ids.shape
     response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
     is_eos = torch.isin(response_ids, torch.tensor(eos, device=device))       # [B, n, R]
     first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)

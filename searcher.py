@@ -26,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 import models
 import tasks
 from buffer import GroupBatch
-from trainer import group_inputs, sequence_logprobs
+from trainer import group_logprobs
 
 
 def prompt_batches(prompts, batch_size, seed):
@@ -66,11 +66,11 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
         version=torch.full((len(prompts),), version, dtype=torch.long),
         prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long), info=info)
-    inputs = group_inputs(batch)                                               # 3 × [B·K, T]
-    size = score_batch or len(inputs[0])
+    n_completions = len(prompts) * group_size
+    size = score_batch or n_completions
     with models.autocast(device, dtype):
-        ref_logp = [sequence_logprobs(ref_model, *(t[s:s + size] for t in inputs), temperature)
-                    for s in range(0, len(inputs[0]), size)]
+        ref_logp = [group_logprobs(ref_model, batch, temperature, completions=slice(s, s + size))
+                    for s in range(0, n_completions, size)]                     # [size] each
     batch.ref_logp = torch.cat(ref_logp).view(len(prompts), group_size)       # [B, K]
     return batch, completions
 
@@ -126,8 +126,11 @@ class Searcher:
         report: tokens and groups generated, the task's `score` info)"""
         prompts = next(self.batches)
         batch, _ = sample_groups(self.policy, self.ref_model, self.tokenizer, self.task, prompts,
-                                 self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
-                                 version, stop_event, self.dtype, self.score_batch)
+                                 group_size=self.cfg.group_size,
+                                 max_new_tokens=self.cfg.max_new_tokens,
+                                 temperature=self.cfg.temperature, version=version,
+                                 stop_event=stop_event, dtype=self.dtype,
+                                 score_batch=self.score_batch)
         batch = batch.to("cpu")
         info, batch.info = batch.info, None
         report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),

@@ -57,7 +57,7 @@ def load(cfg):
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(layout.device)
-    trainer.check_output_layer(policy)
+    trainer.check_logprobs(policy)
     if cfg.activation_checkpointing:
         trainer.enable_activation_checkpointing(policy)
     # Searchers score the reference log-probs themselves: then the trainer needs a reference
@@ -159,7 +159,8 @@ def train(cfg, setup):
                 save_checkpoint()                        # the last step's is written below
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics = evaluate_now()
-        save_checkpoint()
+        if cfg.save_every:                       # 0: no optimiser or buffer state on disk
+            save_checkpoint()
         checkpoint.save_pretrained(policy, tokenizer, out / "final")
     except KeyboardInterrupt:
         if run.stopped_between_steps() and progress.step > first_step:   # keep what was done

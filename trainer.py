@@ -4,10 +4,13 @@ Everything here works on *groups*: B prompts with K completions each, so every p
 tensor is shaped [B, K]. The batch layout is `buffer.GroupBatch`, whether it comes straight from
 the synchronous loop or from the replay buffer.
 """
+import functools
 import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import models
 from buffer import GroupBatch
@@ -23,70 +26,152 @@ def token_logprobs(head, hidden, targets, temperature):
     return chosen - torch.logsumexp(logits, dim=-1)                          # [N, c]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature=1.0,
-                      chunk_size=64):
-    """Sum of log p(token) over the response tokens of each sequence.            -> [N]
+class PromptRecorder(DynamicLayer):
+    """One decoder layer's cache in the prompt pass: it keeps the prompt's keys and values. It
+    assigns rather than appends, so a layer recomputed under activation checkpointing stores the
+    same tensors again instead of doubling them."""
 
-    input_ids, attention_mask, response_mask: [N, T]. The response mask marks the tokens whose
-    log-probs count: the generated ones up to and including the EOS that ended them, never the
-    prompt or the padding. Prompts may be left-padded, so position ids are built from the mask;
-    otherwise the model would see different positions than it did while generating.
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states                                       # [n, heads, P, d]
 
-    Memory: the decoder's hidden states go through the output layer `chunk_size` positions at a
-    time, and when gradients are on each chunk runs under activation checkpointing, so only the
-    [N, c, H] hidden states are kept for backward (SmolLM2 has 49,152 logits per token against
-    576 hidden values): no [N, T, vocab] tensor ever exists, and no chunk's logits outlive their
-    chunk. The log-probs are float32 whatever the model's dtype. This needs
-    the output layer to be a plain map of the last hidden state (`check_output_layer`).
+
+class PromptReader(DynamicLayer):
+    """One decoder layer's cache in the completion pass: the prompt's keys and values, a row per
+    completion, read and never written. `update` returns them followed by the completion's own
+    and keeps nothing, so a recomputed layer reads the same cache as the first time."""
+
+    def __init__(self, keys, values):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True    # [m, heads, P, d]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return (torch.cat([self.keys, key_states], -2),                       # [m, heads, P+r, d]
+                torch.cat([self.values, value_states], -2))
+
+
+def cache_of(layers):
+    """An HF cache made of these layers (one per decoder layer)."""
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_len, owner,
+                        temperature=1.0, chunk_size=64):
+    """Sum of log p(token) over the response tokens of m completions, completion i continuing
+    prompt owner[i]; each prompt is computed once however many completions continue it.  -> [m]
+
+    prompt_ids, prompt_mask: [n, P], left-padded; response_ids: [m, R], right-padded;
+    response_len: [m], the tokens up to and including the EOS that ended each (never found from
+    `token == pad_id`: pad and EOS may be the same id); owner: [m], values in 0..n-1.
+
+    A first pass runs the n prompts and keeps every layer's keys and values; a second runs the m
+    completions against them (`PromptReader`: row i is its prompt's), at the positions that
+    follow the prompt's real tokens, as in generation. Autograd sums a prompt's gradient over the
+    completions that read it: the log-probs and gradients of m full sequences (the tests check
+    both), for the prompt's FLOPs once instead of m/n times.
+
+    Memory: the output layer runs `chunk_size` positions at a time, each chunk under activation
+    checkpointing when gradients are on, so only the [m, c, H] hidden states are kept for
+    backward (SmolLM2 has 49,152 logits per token against 576 hidden values): no [m, R, vocab]
+    tensor ever exists. The log-probs are float32 whatever the model's dtype. This needs the
+    output layer to be a plain map of the last hidden state (`check_logprobs`).
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)        # [N, T]
-    first = int(response_mask.float().argmax(-1).min()) if response_mask.any() else 1
-    first = max(first, 1)                  # token t is predicted by the hidden state at t - 1
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, use_cache=False).last_hidden_state
-    hidden = hidden[:, first - 1:-1]                                           # [N, T-first, H]
-    targets = input_ids[:, first:]                                             # [N, T-first]
-    mask = response_mask[:, first:].float()                                   # [N, T-first]
+    r = int(response_len.max())                      # columns of padding only are dropped
+    response_ids = response_ids[:, :r]                                         # [m, R']
+    width = int(prompt_mask.sum(-1).max())           # as are the prompts' padding-only columns
+    prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]  # [n, P']
+    layers = [PromptRecorder() for _ in range(model.config.num_hidden_layers)]
+    prompt = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                              position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                              past_key_values=cache_of(layers), use_cache=True)
+    cache = cache_of([PromptReader(layer.keys[owner], layer.values[owner])    # [m, heads, P', d]
+                      for layer in layers])
+    positions = torch.arange(r, device=response_ids.device)                   # [R']
+    response_mask = (positions < response_len[:, None]).long()                 # [m, R']
+    hidden = model.base_model(
+        input_ids=response_ids, attention_mask=torch.cat([prompt_mask[owner], response_mask], -1),
+        position_ids=prompt_mask.sum(-1)[owner, None] + positions,            # [m, R']
+        past_key_values=cache, use_cache=False).last_hidden_state              # [m, R', H]
+    # Token j is predicted by the hidden state before it: the prompt's last one for j = 0.
+    hidden = torch.cat([prompt.last_hidden_state[owner, -1:], hidden[:, :-1]], 1)   # [m, R', H]
     head = model.get_output_embeddings()
-    total = torch.zeros(input_ids.shape[0], device=input_ids.device, dtype=torch.float32)
-    for s in range(0, targets.shape[1], chunk_size):
-        args = (head, hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size], temperature)
+    total = torch.zeros(len(owner), device=response_ids.device, dtype=torch.float32)
+    for s in range(0, r, chunk_size):
+        args = (head, hidden[:, s:s + chunk_size], response_ids[:, s:s + chunk_size], temperature)
         if torch.is_grad_enabled():        # recompute this chunk's logits during backward
-            token_logp = checkpoint(token_logprobs, *args, use_reentrant=False)   # [N, c]
+            token_logp = checkpoint(token_logprobs, *args, use_reentrant=False)   # [m, c]
         else:
-            token_logp = token_logprobs(*args)                                 # [N, c]
-        total = total + (token_logp * mask[:, s:s + chunk_size]).sum(-1)
-    return total                                                               # [N]
+            token_logp = token_logprobs(*args)                                 # [m, c]
+        total = total + (token_logp * response_mask[:, s:s + chunk_size]).sum(-1)
+    return total                                                               # [m]
 
 
-def check_output_layer(model):
-    """`sequence_logprobs` applies the output layer to the decoder's hidden states itself. Check,
-    once at load time, that this gives the model's own logits: models that post-process them
-    (soft-capping, scaling) would be trained on a different distribution than they sample."""
-    ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+def group_logprobs(model, batch: GroupBatch, temperature=1.0, groups=slice(None),
+                   completions=slice(None)):
+    """`completion_logprobs` of a GroupBatch's groups `groups`, or of the slice `completions` of
+    their completions taken group by group (group 0's K, group 1's K, ...), each prompt computed
+    once.  -> [n·K], or [m] for a slice: `.view(n, K)` recovers the groups of a whole batch"""
+    response_ids = batch.response_ids[groups]                                  # [n, K, R]
+    n, k, _ = response_ids.shape
+    owner = torch.arange(n, device=response_ids.device).repeat_interleave(k)[completions]  # [m]
+    first, last = int(owner[0]), int(owner[-1]) + 1  # the prompts this slice continues
+    return completion_logprobs(
+        model, batch.prompt_ids[groups][first:last], batch.prompt_mask[groups][first:last],
+        response_ids.flatten(0, 1)[completions], batch.response_len[groups].flatten()[completions],
+        owner - first, temperature)
+
+
+def check_logprobs(model):
+    """`completion_logprobs` applies the output layer to the decoder's hidden states itself, and
+    runs completions against a prompt cache of its own. Check, once at load time, that both
+    give the model's own numbers: a model that post-processes its logits (soft-capping, scaling)
+    or caches differently would be trained on another distribution than it samples."""
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().out_features
+    prompt_ids = torch.tensor([[1, 2, 3], [0, 4, 1]], device=device) % vocab    # [2, 3]
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1]], device=device)            # [2, 3]
+    response_ids = torch.tensor([[2, 4], [3, 1], [4, 2]], device=device) % vocab  # [3, 2]
+    response_len, owner = torch.tensor([2, 1, 2], device=device), torch.tensor([0, 0, 1], device=device)
     with torch.no_grad():
-        own = model(input_ids=ids, use_cache=False).logits.float()
-        ours = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state)
-    if not torch.allclose(own, ours.float(), rtol=1e-3, atol=1e-3):
-        raise ValueError(f"{type(model).__name__} post-processes its output layer's logits "
-                         "(e.g. soft-capping), which tba's memory-saving log-probs do not "
-                         "reproduce: use a model whose logits are lm_head(last hidden state)")
+        own_logits = model(input_ids=prompt_ids[:1], use_cache=False).logits
+        head_logits = model.get_output_embeddings()(model.base_model(prompt_ids[:1]).last_hidden_state)
+        if not torch.allclose(own_logits.float(), head_logits.float(), rtol=1e-3, atol=1e-3):
+            raise ValueError(f"{type(model).__name__} post-processes its output layer's logits "
+                             "(e.g. soft-capping), which tba's memory-saving log-probs do not "
+                             "reproduce: use a model whose logits are lm_head(last hidden state)")
+        ours = completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_len, owner)
+        own = []
+        for i, p in enumerate(owner.tolist()):        # each sequence alone, no padding at all
+            prompt = prompt_ids[p][prompt_mask[p].bool()]
+            ids = torch.cat([prompt, response_ids[i, :response_len[i]]])[None]
+            logp = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)[0]
+            own.append(logp[len(prompt) - 1:-1].gather(-1, ids[0, len(prompt):, None]).sum())
+    if not torch.allclose(ours, torch.stack(own), rtol=1e-3, atol=1e-3):
+        raise ValueError(f"{type(model).__name__}'s own log-probs differ from those tba computes "
+                         "with each prompt's keys and values shared by its completions (its "
+                         "layers may cache differently, e.g. a sliding window): use a model such "
+                         "as a Llama, Qwen or GPT-2")
 
 
 def enable_activation_checkpointing(model):
     """Keep only each decoder layer's input for backward and recompute the layer's activations
-    then: about a third more compute for a fraction of the memory. HF checkpoints only in
-    training mode, which `train_step` turns on for its passes; training mode would also turn on
-    dropout, so a model that has any is refused (SmolLM2 and Llama have none)."""
-    dropouts = [f"{name}: p={m.p}" for name, m in model.named_modules()
-                if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if getattr(model.config, "attention_dropout", 0):        # Llama-style: not a module
-        dropouts.append(f"attention_dropout={model.config.attention_dropout}")
-    if dropouts:
-        raise ValueError(f"--activation-checkpointing runs the model in training mode, which would "
-                         f"turn on its dropout ({', '.join(dropouts)}): set it to 0 in the model's "
-                         "config, or train without --activation-checkpointing")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    then: about a third more compute for a fraction of the memory. Done here rather than with
+    HF's switch, which only works in training mode (dropout on) and drops the cache of a
+    checkpointed layer, since recomputing a layer that appends to its cache would append twice;
+    `completion_logprobs`'s caches are safe to recompute (`PromptRecorder`, `PromptReader`)."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.forward = functools.partial(checkpointed, layer.forward)
+    model.checkpointed_layers = len(layers)
+
+
+def checkpointed(forward, *args, **kwargs):
+    """A layer's forward under activation checkpointing, when a backward pass will follow."""
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
 
 
 def tb_loss(logp, ref_logp, reward, beta):
@@ -151,32 +236,13 @@ class WSD:
 
 
 def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
-    """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints). The fused AdamW
+    updates every parameter in one kernel: on 2 CPU cores 0.09 s a step for SmolLM2-135M against
+    0.6 s for the loop over its tensors (bench/README.md)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WSD(total_steps, warmup_steps, decay_steps))
     return optimizer, scheduler
-
-
-def group_inputs(batch: GroupBatch, group_slice=slice(None)):
-    """Lay the groups out as model inputs: prompt (left-padded) then response (right-padded).
-
-    Returns input_ids, attention_mask, response_mask, all [n·K, P + R], in the order
-    (group 0: completions 0..K-1, group 1: ...), so `.view(n, K)` recovers the groups.
-    """
-    prompt_ids = batch.prompt_ids[group_slice]                                 # [n, P]
-    prompt_mask = batch.prompt_mask[group_slice]                               # [n, P]
-    response_ids = batch.response_ids[group_slice]                             # [n, K, R]
-    response_len = batch.response_len[group_slice]                             # [n, K]
-    n, k, r = response_ids.shape
-    positions = torch.arange(r, device=response_ids.device)
-    response_mask = (positions < response_len[..., None]).long()               # [n, K, R]
-    input_ids = torch.cat([prompt_ids[:, None].expand(n, k, -1), response_ids], -1)
-    attention_mask = torch.cat([prompt_mask[:, None].expand(n, k, -1).long(), response_mask], -1)
-    response_mask = torch.cat([torch.zeros_like(prompt_mask)[:, None].expand(n, k, -1).long(),
-                               response_mask], -1)
-    flat = lambda t: t.reshape(n * k, -1)
-    return flat(input_ids), flat(attention_mask), flat(response_mask)
 
 
 class NonFiniteError(ArithmeticError):
@@ -198,8 +264,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     Forward passes run under autocast to `dtype` over the float32 weights (see `models.autocast`);
     `scaler` (a GradScaler) scales float16 losses, whose small gradients would underflow.
     The model stays in eval mode: dropout would make the trained log-probs differ from the
-    sampled ones. Activation checkpointing is the exception, as HF only runs it in training mode
-    (`enable_activation_checkpointing` makes sure the model has no dropout to turn on).
+    sampled ones.
     A NaN or infinite loss or gradient norm raises NonFiniteError *before* the optimiser step:
     one such update would turn every weight into NaN, and the searchers would sample from it.
     """
@@ -210,32 +275,27 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     micro_groups = micro_groups or b
     loss_fn = LOSSES[loss]
     optimizer.zero_grad(set_to_none=True)
-    model.train(model.is_activation_checkpointing)
     total_loss, logps, log_zs = 0.0, [], []
-    try:
-        for start in range(0, b, micro_groups):
-            part = slice(start, min(start + micro_groups, b))
-            n = part.stop - part.start
-            inputs = group_inputs(batch, part)                                 # 3 × [n·K, T]
-            size = micro_completions if 0 < micro_completions < n * k else n * k
+    for start in range(0, b, micro_groups):
+        part = slice(start, min(start + micro_groups, b))
+        n = part.stop - part.start
+        size = micro_completions if 0 < micro_completions < n * k else n * k
+        if size < n * k:
+            with torch.no_grad(), models.autocast(device, dtype):
+                held = group_logprobs(model, batch, temperature, groups=part)  # [n·K]
+        for s in range(0, n * k, size):
+            with models.autocast(device, dtype):
+                logp = group_logprobs(model, batch, temperature, groups=part,
+                                      completions=slice(s, s + size))  # [size]
             if size < n * k:
-                with torch.no_grad(), models.autocast(device, dtype):
-                    held = sequence_logprobs(model, *inputs, temperature)     # [n·K]
-            for s in range(0, n * k, size):
-                with models.autocast(device, dtype):
-                    logp = sequence_logprobs(model, *(t[s:s + size] for t in inputs),
-                                             temperature)                      # [size]
-                if size < n * k:
-                    logp = torch.cat([held[:s], logp, held[s + size:]])       # [n·K]
-                out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta)
-                part_loss, log_z = out if isinstance(out, tuple) else (out, None)
-                scaler.scale(part_loss * n / b).backward()
-            total_loss += part_loss.item() * n / b
-            logps.append(logp.detach().view(n, k))
-            if log_z is not None:
-                log_zs.append(log_z)
-    finally:
-        model.eval()
+                logp = torch.cat([held[:s], logp, held[s + size:]])   # [n·K]
+            out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta)
+            part_loss, log_z = out if isinstance(out, tuple) else (out, None)
+            scaler.scale(part_loss * n / b).backward()
+        total_loss += part_loss.item() * n / b
+        logps.append(logp.detach().view(n, k))
+        if log_z is not None:
+            log_zs.append(log_z)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_grad_norm if max_grad_norm else math.inf)

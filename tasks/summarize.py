@@ -49,7 +49,7 @@ import torch
 
 import models
 from tasks import Prompt, Task, scorers
-from trainer import group_inputs, sequence_logprobs
+from trainer import group_logprobs
 
 SIMILARITY = "similarity"
 ACLSUM = "aclsum"
@@ -325,9 +325,8 @@ class SummarizeTask(Task):
                 batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, zeros,
                                    zeros, torch.zeros(len(part), dtype=torch.long),
                                    torch.arange(len(part)))
-                inputs = group_inputs(batch)
-                log_ratios.append(sequence_logprobs(model, *inputs, self.cfg.temperature)
-                                  - sequence_logprobs(ref_model, *inputs, self.cfg.temperature))
+                log_ratios.append(group_logprobs(model, batch, self.cfg.temperature)
+                                  - group_logprobs(ref_model, batch, self.cfg.temperature))
         kl = torch.cat(log_ratios).mean().item() if log_ratios else None
         return summaries, sum(lengths) / len(lengths), kl
 

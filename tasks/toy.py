@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tasks import Prompt, Task
-from trainer import sequence_logprobs
+from trainer import completion_logprobs
 
 LETTERS = ["a", "b", "c", "d"]
 EOS = "<eos>"
@@ -71,17 +71,15 @@ def all_completions():
 def exact_logprobs(model, tokenizer, prompt, completions, temperature):
     """log p(y|x) for every completion y: [n]. Sums to one over `all_completions()`."""
     device = next(model.parameters()).device
-    prompt_ids = tokenizer.convert_tokens_to_ids([prompt])
-    rows = [prompt_ids + tokenizer.convert_tokens_to_ids(c) for c in completions]
-    width = max(map(len, rows))
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros_like(input_ids)
+    rows = [tokenizer.convert_tokens_to_ids(c) for c in completions]
+    response_ids = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id)  # [n, R]
     for i, row in enumerate(rows):
-        input_ids[i, :len(row)] = torch.tensor(row)
-        response_mask[i, len(prompt_ids):len(row)] = 1
-    attention_mask = (response_mask + (torch.arange(width) < len(prompt_ids)).long()).clamp(max=1)
-    return sequence_logprobs(model, input_ids.to(device), attention_mask.to(device),
-                             response_mask.to(device), temperature).cpu()
+        response_ids[i, :len(row)] = torch.tensor(row)
+    prompt_ids = torch.tensor([tokenizer.convert_tokens_to_ids([prompt])])          # [1, 1]
+    return completion_logprobs(model, prompt_ids.to(device), torch.ones_like(prompt_ids).to(device),
+                               response_ids.to(device), torch.tensor(list(map(len, rows))).to(device),
+                               owner=torch.zeros(len(rows), dtype=torch.long, device=device),
+                               temperature=temperature).cpu()
 
 
 class ToyTask(Task):

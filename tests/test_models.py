@@ -5,7 +5,7 @@ import pytest
 import torch
 from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import models
 from models import DEFAULT_MODEL, ModelLoadError, load_model
@@ -117,3 +117,35 @@ def test_default_smollm2_offline_generates():
         out = model.generate(**prompt, do_sample=False, max_new_tokens=12)
     answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+@pytest.mark.parametrize("build", ["llama", "gpt2"])
+def test_shared_prefill_samples_the_same_tokens_as_repeated_prompts(build):
+    """`generate` prefills each prompt once and repeats its cache K-fold; HF's own way repeats the
+    prompts first. Same seed, same random draws, same logits up to float32 rounding: the same
+    tokens, for left-padded prompts of different lengths, EOS and padding included."""
+    from tasks.toy import build_model, build_tokenizer
+    if build == "llama":
+        model, tokenizer = tiny_model_and_tokenizer()
+        tokenizer.pad_token = tokenizer.eos_token
+        prompts = [[2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+        with torch.no_grad():               # sharper logits than random init's near-uniform ones
+            model.get_output_embeddings().weight.mul_(20)
+    else:                                   # the toy: near uniform over 5 tokens, by design
+        tokenizer = build_tokenizer()
+        model = build_model(len(tokenizer))
+        prompts = [[1, 2, 3], [4], [2, 2]]
+    model.eval()
+    torch.manual_seed(3)
+    _, _, response_ids, response_len = models.generate(model, tokenizer, prompts, num_samples=4,
+                                                       max_new_tokens=6, temperature=0.9)
+    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=0, top_p=1.0,
+                              num_return_sequences=4, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=models.eos_ids(model, tokenizer))
+    torch.manual_seed(3)
+    plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    expected = plain[:, ids.shape[1]:].reshape(3, 4, -1)                   # [B, n, R]
+    assert response_ids.shape == expected.shape and torch.equal(response_ids, expected)
+    assert len(set(map(tuple, response_ids.flatten(0, 1).tolist()))) > 6   # not all alike
+    assert (response_len < response_ids.shape[-1]).any()                   # some ended in EOS

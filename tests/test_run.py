@@ -57,6 +57,15 @@ def test_run_folder_holds_everything(tmp_path):
     assert AutoTokenizer.from_pretrained(run / "final").convert_ids_to_tokens([1]) == ["a"]
 
 
+def test_save_every_0_writes_the_final_model_and_no_checkpoint(tmp_path):
+    """A benchmark's runs leave their trained model and metrics, not 2 GB of optimiser state each."""
+    run_dir = tmp_path / "run"
+    assert tba.main([*TOY, "--save-every", "0", "--out", str(run_dir)]) == 0
+    assert checkpoint.latest(run_dir) is None
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 9))
+
+
 def test_resume_gives_the_same_run(tmp_path, monkeypatch):
     """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: same weights, same metrics."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -43,7 +43,7 @@ def test_target_is_reference_tilted_by_reward(toy):
 
 
 def test_sampler_matches_exact_distribution(toy):
-    """`models.generate` samples the distribution that `sequence_logprobs` scores."""
+    """`models.generate` samples the distribution that `completion_logprobs` scores."""
     model, tokenizer = toy
     temperature, n = 0.8, 4000
     torch.manual_seed(0)

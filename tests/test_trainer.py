@@ -1,21 +1,60 @@
 """The trainer's math, checked against hand computations and against HF `generate`."""
 import copy
+import itertools
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import models
 from buffer import GroupBatch
 from tasks.toy import build_model, build_tokenizer
-from trainer import (beta_at, check_output_layer, enable_activation_checkpointing, group_inputs,
-                     make_optimizer, rloo_loss, sequence_logprobs, tb_loss, train_step, WSD)
+from trainer import (beta_at, check_logprobs, completion_logprobs, enable_activation_checkpointing,
+                     group_logprobs, make_optimizer, rloo_loss, tb_loss, train_step, WSD)
 
 
 @pytest.fixture(scope="module")
 def toy():
     tokenizer = build_tokenizer()
     return build_model(len(tokenizer)), tokenizer
+
+
+def tiny_llama():
+    """RoPE, grouped-query attention and no position table: what SmolLM2 is, in miniature."""
+    config = LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def plain_logprobs(model, batch, temperature=1.0):
+    """The trusted reference: every completion as a full sequence of its own, prompt and
+    response without any padding, through the model's own forward and all its [T, V] logits.
+    -> [B·K]"""
+    totals = []
+    for b, k in itertools.product(*map(range, batch.reward.shape)):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
+        ids = torch.cat([prompt, batch.response_ids[b, k, :batch.response_len[b, k]]])[None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float() / temperature
+        token_logp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        totals.append(token_logp[len(prompt) - 1:].sum())
+    return torch.stack(totals)
+
+
+def random_batch(vocab, prompt_lengths=(5, 2, 4), k=4, r=6, seed=0):
+    """Left-padded prompts of different lengths, K right-padded responses each of random length
+    (some of them ending in the pad id, as SmolLM2's EOS is its pad)."""
+    g = torch.Generator().manual_seed(seed)
+    n, p = len(prompt_lengths), max(prompt_lengths)
+    prompt_mask = (torch.arange(p) >= p - torch.tensor(prompt_lengths)[:, None]).long()   # [n, P]
+    prompt_ids = torch.randint(1, vocab, (n, p), generator=g) * prompt_mask
+    response_len = torch.randint(1, r + 1, (n, k), generator=g)                           # [n, K]
+    response_ids = torch.randint(0, vocab, (n, k, r), generator=g)
+    response_ids[torch.arange(r) >= response_len[..., None]] = 0                          # padding
+    reward = torch.randn(n, k, generator=g)
+    return GroupBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                      response_len=response_len, reward=reward, ref_logp=torch.zeros(n, k),
+                      version=torch.zeros(n, dtype=torch.long), prompt_index=torch.arange(n))
 
 
 def test_tb_loss_by_hand():
@@ -61,24 +100,35 @@ def test_schedules():
     assert factors == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
 
 
-def padded(prompt, response, left, right, pad_id=0):
-    ids = [pad_id] * left + prompt + response + [pad_id] * right
-    attention = [0] * left + [1] * (len(prompt) + len(response)) + [0] * right
-    response_mask = [0] * (left + len(prompt)) + [1] * len(response) + [0] * right
-    return ids, attention, response_mask
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("build", ["gpt2", "llama"])
+def test_shared_prompt_logprobs_and_gradients_equal_the_full_sequences(build, checkpointing, toy):
+    """Each prompt computed once for its K completions: left-padded prompts of lengths 5, 2 and 4,
+    responses of 1 to 6 tokens, a slice of completions that starts and ends mid-group, with and
+    without activation checkpointing. The same
+    log-probs and the same gradient of the TB loss as every completion run alone, unpadded.
+    Tolerance: float32 sums of at most 6 log-probs near -3 each, and gradients of order 1: a
+    few ulps of accumulation order, far below any bug (a shifted position or a masked-out prompt
+    token changes them at the first significant digit)."""
+    model = copy.deepcopy(toy[0]) if build == "gpt2" else tiny_llama()
+    vocab = model.get_output_embeddings().out_features
+    batch = random_batch(vocab)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    params = list(model.parameters())
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])
 
-
-def test_padding_does_not_change_logprobs(toy):
-    model, _ = toy
-    prompt, response = [1, 1, 2], [3, 4, 1, 0]       # the response ends in EOS (= pad, id 0)
-    rows = [padded(prompt, response, left, right) for left, right in [(0, 0), (3, 0), (0, 4), (2, 5)]]
-    width = max(len(r[0]) for r in rows)
-    # pad all rows to one width on the right (more right padding) to batch them
-    tensors = [torch.tensor([r[i] + [0] * (width - len(r[i])) for r in rows]) for i in range(3)]
-    logp = sequence_logprobs(model, *tensors, temperature=0.8)
-    assert torch.allclose(logp, logp[0].expand(4), atol=1e-5)
-    alone = sequence_logprobs(model, *[t[:1, :len(rows[0][0])] for t in tensors], temperature=0.8)
-    assert torch.allclose(logp[0], alone[0], atol=1e-5)
+    shared = group_logprobs(model, batch, temperature=0.8).view(3, 4)                # [n, K]
+    reference = plain_logprobs(model, batch, temperature=0.8).view(3, 4)
+    torch.testing.assert_close(shared, reference, rtol=1e-5, atol=1e-5)
+    tb = lambda logp: tb_loss(logp, batch.ref_logp, batch.reward, beta=0.5)[0]
+    torch.testing.assert_close(flat(torch.autograd.grad(tb(shared), params)),
+                               flat(torch.autograd.grad(tb(reference), params)),
+                               rtol=1e-4, atol=1e-6)
+    part = group_logprobs(model, batch, temperature=0.8, completions=slice(3, 9))   # groups 0-2
+    torch.testing.assert_close(part, reference.flatten()[3:9], rtol=1e-5, atol=1e-5)
+    one = group_logprobs(model, batch, temperature=0.8, groups=slice(1, 2))          # group 1
+    torch.testing.assert_close(one, reference[1], rtol=1e-5, atol=1e-5)
 
 
 def test_logprobs_match_generate_scores(toy):
@@ -101,12 +151,8 @@ def test_logprobs_match_generate_scores(toy):
     in_response = torch.arange(response.shape[1]) < length[:, None]
     expected = (chosen * in_response).sum(-1)
 
-    batch_prompt_ids = ids.repeat_interleave(4, 0)
-    batch_mask = mask.repeat_interleave(4, 0)
-    input_ids = torch.cat([batch_prompt_ids, response], 1)
-    attention_mask = torch.cat([batch_mask, in_response.long()], 1)
-    response_mask = torch.cat([torch.zeros_like(batch_mask), in_response.long()], 1)
-    logp = sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature)
+    logp = completion_logprobs(model, ids, mask, response, length,
+                               owner=torch.arange(3).repeat_interleave(4), temperature=temperature)
     assert torch.allclose(logp, expected, atol=1e-4)
 
 
@@ -120,7 +166,7 @@ def sampled_batch(model, tokenizer, ref_model, temperature=1.0, k=6):
                        torch.zeros_like(reward), torch.zeros(2, dtype=torch.long),
                        torch.arange(2))
     with torch.no_grad():
-        batch.ref_logp = sequence_logprobs(ref_model, *group_inputs(batch), temperature).view(2, k)
+        batch.ref_logp = group_logprobs(ref_model, batch, temperature).view(2, k)
     return batch
 
 
@@ -136,11 +182,11 @@ def test_tb_gradient_equals_reinforce_on_policy(toy):
     batch = sampled_batch(policy, tokenizer, model)
     params = list(policy.parameters())
 
-    logp = sequence_logprobs(policy, *group_inputs(batch)).view(2, -1)
+    logp = group_logprobs(policy, batch).view(2, -1)
     loss, _ = tb_loss(logp, batch.ref_logp, batch.reward, beta)
     tb_grad = torch.autograd.grad(loss, params)
 
-    logp = sequence_logprobs(policy, *group_inputs(batch)).view(2, -1)
+    logp = group_logprobs(policy, batch).view(2, -1)
     kl_reward = (batch.reward - beta * (logp - batch.ref_logp)).detach()
     advantage = kl_reward - kl_reward.mean(1, keepdim=True)
     surrogate = -(advantage * logp).mean()
@@ -196,24 +242,18 @@ def test_tb_and_rloo_take_the_same_clipped_step(toy):
     assert (params["tb"] - params["rloo"]).abs().max() < 0.01 * 1e-2
 
 
-def full_logits_logprobs(model, input_ids, attention_mask, response_mask, temperature):
-    """The textbook computation: all [N, T, V] logits, log-softmax, pick the sampled tokens."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids).logits[:, :-1].float() / temperature
-    token_logp = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return (token_logp * response_mask[:, 1:]).sum(-1)
-
-
 def test_chunked_logprobs_match_the_full_logits_and_their_gradient(toy):
     """The output layer in checkpointed chunks of 3 positions gives the same values and the same
-    gradient as the [N, T, V] logits it never builds."""
+    gradient as the [T, V] logits it never builds."""
     model, tokenizer = toy
     batch = sampled_batch(model, tokenizer, model, temperature=0.8)
-    inputs = group_inputs(batch)
     params = list(model.parameters())
-    ours = sequence_logprobs(model, *inputs, temperature=0.8, chunk_size=3)
-    reference = full_logits_logprobs(model, *inputs, temperature=0.8)
+    n, k, _ = batch.response_ids.shape
+    ours = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask,
+                               batch.response_ids.flatten(0, 1), batch.response_len.flatten(),
+                               owner=torch.arange(n).repeat_interleave(k), temperature=0.8,
+                               chunk_size=3)
+    reference = plain_logprobs(model, batch, temperature=0.8)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     weights = torch.randn_like(ours)                  # any linear function of the log-probs
     flat = lambda grads: torch.cat([g.flatten() for g in grads])
@@ -243,7 +283,7 @@ def test_split_groups_and_checkpointing_give_the_whole_group_step(toy, loss):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         stats = train_step(trained, optimizer, scheduler, batch, beta=0.5, loss=loss, micro_groups=1,
                            micro_completions=micro_completions)
-        assert trained.is_activation_checkpointing == checkpointing
+        assert getattr(trained, "checkpointed_layers", 0) == (2 if checkpointing else 0)
         assert not trained.training                     # back in eval mode for sampling
         steps[name] = (stats, torch.cat([p.flatten() for p in trained.parameters()]) - start)
     whole_stats, whole_step = steps.pop("whole")
@@ -253,21 +293,14 @@ def test_split_groups_and_checkpointing_give_the_whole_group_step(toy, loss):
         torch.testing.assert_close(step, whole_step, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def test_activation_checkpointing_refuses_a_model_with_dropout():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=10, n_positions=8, n_embd=8, n_layer=1,
-                                       n_head=2, resid_pdrop=0.1))
-    with pytest.raises(ValueError, match="dropout.*p=0.1"):
-        enable_activation_checkpointing(model)
-
-
 def test_a_model_that_post_processes_its_logits_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
     config = Gemma2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                           final_logit_softcapping=0.5)
     with pytest.raises(ValueError, match="post-processes its output layer"):
-        check_output_layer(Gemma2ForCausalLM(config).eval())
+        check_logprobs(Gemma2ForCausalLM(config).eval())
+    check_logprobs(tiny_llama())                  # a plain model passes
 
 
 def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
@@ -292,14 +325,13 @@ def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
     response = out.sequences[:, ids.shape[1]:]                                  # [6, 10]
     scores = torch.stack(out.scores, 1).float()                                 # [6, 10, V]
     sampled = scores.log_softmax(-1).gather(-1, response[..., None]).squeeze(-1).sum(-1)
-    prompt_mask = mask.repeat_interleave(3, 0)
-    inputs = (torch.cat([ids.repeat_interleave(3, 0), response], 1),
-              torch.cat([prompt_mask, torch.ones_like(response)], 1),
-              torch.cat([torch.zeros_like(prompt_mask), torch.ones_like(response)], 1))
+    inputs = dict(prompt_ids=ids, prompt_mask=mask, response_ids=response,
+                  response_len=torch.full((6,), response.shape[1]),
+                  owner=torch.arange(2).repeat_interleave(3))
     with torch.no_grad():
         with models.autocast("cpu", torch.bfloat16):
-            scored = sequence_logprobs(model, *inputs)
-        float32 = sequence_logprobs(model, *inputs)
+            scored = completion_logprobs(model, **inputs)
+        float32 = completion_logprobs(model, **inputs)
     bound = response.shape[1] * 2 * scores.abs().max() * 2 ** -9
     assert scores.abs().max() > 5
     assert (sampled - scored).abs().max() <= bound
