@@ -221,11 +221,12 @@ def main():
                         help="step: measure the plain step of this checkout instead")
     parser.add_argument("--option", choices=list(OPTIONS), default="",
                         help="predict: this option only")
-    args, rest = parser.parse_known_args()
+    args, _ = parser.parse_known_args()
     if args.what == "run":
         print("| run | peak RSS, all processes (GiB) | peak PSS, all processes (GiB) | RSS of each "
               "| trainer step (s) |\n| --- | --- | --- | --- | --- |")
-        run(rest[rest.index("--") + 1:] if "--" in rest else RUN_DEFAULT)
+        # argparse drops the "--" itself: find the tba.py flags after it in sys.argv
+        run(sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else RUN_DEFAULT)
     elif args.what == "step":
         step(args.repo.resolve())
     else:
