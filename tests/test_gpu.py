@@ -1,20 +1,19 @@
 """What a researcher meets first on a GPU machine: the same assertions as the CPU tests, on CUDA.
 
 Skipped where torch sees no CUDA GPU (this project's CI has none); `make test-gpu` runs them on a
-machine that has one, and the two-GPU placement test on a machine with two or more.
+machine that has one, and the two-GPU placement test on a machine with two or more. The
+shared-prompt parity (tests/test_trainer.py) and checkpoint-and-resume (tests/test_run.py)
+tests take a `cuda` case of their own, run by `make test-gpu` too.
 """
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-import checkpoint
 import models
 import tba
-from test_run import metrics, stop_after
 from test_trainer import plain_logprobs, random_batch, tiny_llama
-from trainer import enable_activation_checkpointing, group_logprobs, tb_loss
+from trainer import group_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run `make test-gpu` on a machine with one)")
@@ -56,25 +55,6 @@ def test_bfloat16_autocast_run(tmp_path):
     assert len(train_rows) == 50 and all(abs(r["loss"]) < float("inf") for r in train_rows)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_shared_prompt_logprobs_and_gradients_on_cuda(checkpointing):
-    """tests/test_trainer.py's parity of the shared-prompt path with full sequences, on the GPU.
-    Tolerance: TF32 matmuls (10-bit mantissa, `models.use_device`) are off here, so float32."""
-    model = tiny_llama().cuda()
-    if checkpointing:
-        enable_activation_checkpointing(model)
-    batch = random_batch(model.config.vocab_size).to("cuda")
-    params = list(model.parameters())
-    flat = lambda grads: torch.cat([g.flatten() for g in grads])
-    shared = group_logprobs(model, batch, temperature=0.8).view(3, 4)
-    reference = plain_logprobs(model, batch, temperature=0.8).view(3, 4)
-    torch.testing.assert_close(shared, reference, rtol=1e-4, atol=1e-4)
-    tb = lambda logp: tb_loss(logp, batch.ref_logp, batch.reward, beta=0.5)[0]
-    torch.testing.assert_close(flat(torch.autograd.grad(tb(shared), params)),
-                               flat(torch.autograd.grad(tb(reference), params)),
-                               rtol=1e-3, atol=1e-5)
-
-
 def test_bfloat16_sampling_and_scoring_agree_on_cuda():
     """What a searcher samples under autocast is what the trainer scores under the same autocast."""
     model = tiny_llama().cuda()
@@ -92,20 +72,3 @@ def test_bfloat16_sampling_and_scoring_agree_on_cuda():
     # log-prob by twice that, summed over at most 6 response tokens (tests/test_trainer.py).
     assert largest_logit > 5
     assert (scored - reference).abs().max() <= 6 * 2 * largest_logit * 2 ** -9
-
-
-def test_checkpoint_and_resume_on_cuda(tmp_path, monkeypatch):
-    """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: the same weights and metrics on the
-    GPU as on the CPU (tests/test_run.py)."""
-    args = [*TOY, "--searchers", "0", "--steps", "8", "--eval-every", "4"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert tba.main([*args, "--out", str(straight)]) == 0
-    with monkeypatch.context() as patch:
-        stop_after(patch, 4)
-        assert tba.main([*args, "--out", str(resumed)]) == 130
-    assert checkpoint.latest(resumed).name == "step_4"
-    assert tba.main(["--resume", str(resumed)]) == 0
-    assert metrics(resumed) == metrics(straight)
-    a = load_file(straight / "final" / "model.safetensors")
-    b = load_file(resumed / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

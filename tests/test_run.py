@@ -66,13 +66,19 @@ def test_save_every_0_writes_the_final_model_and_no_checkpoint(tmp_path):
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 9))
 
 
-def test_resume_gives_the_same_run(tmp_path, monkeypatch):
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on a machine with one)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_resume_gives_the_same_run(device, tmp_path, monkeypatch):
     """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: same weights, same metrics."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert tba.main([*TOY, "--out", str(straight)]) == 0
+    args = [*TOY, "--device", device]
+    assert tba.main([*args, "--out", str(straight)]) == 0
     with monkeypatch.context() as patch:
         stop_after(patch, 4)
-        assert tba.main([*TOY, "--out", str(resumed)]) == 130
+        assert tba.main([*args, "--out", str(resumed)]) == 130
     assert checkpoint.latest(resumed).name == "step_4"
     assert tba.main(["--resume", str(resumed)]) == 0
     assert metrics(resumed) == metrics(straight)

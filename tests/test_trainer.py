@@ -100,19 +100,26 @@ def test_schedules():
     assert factors == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on a machine with one)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("build", ["gpt2", "llama"])
-def test_shared_prompt_logprobs_and_gradients_equal_the_full_sequences(build, checkpointing, toy):
+def test_shared_prompt_logprobs_and_gradients_equal_the_full_sequences(build, checkpointing,
+                                                                         device, toy):
     """Each prompt computed once for its K completions: left-padded prompts of lengths 5, 2 and 4,
     responses of 1 to 6 tokens, a slice of completions that starts and ends mid-group, with and
     without activation checkpointing. The same
     log-probs and the same gradient of the TB loss as every completion run alone, unpadded.
     Tolerance: float32 sums of at most 6 log-probs near -3 each, and gradients of order 1: a
     few ulps of accumulation order, far below any bug (a shifted position or a masked-out prompt
-    token changes them at the first significant digit)."""
-    model = copy.deepcopy(toy[0]) if build == "gpt2" else tiny_llama()
+    token changes them at the first significant digit). On CUDA TF32 stays off (torch's
+    default; `models.use_device` is not called), so the tolerance is the same."""
+    model = (copy.deepcopy(toy[0]) if build == "gpt2" else tiny_llama()).to(device)
     vocab = model.get_output_embeddings().out_features
-    batch = random_batch(vocab)
+    batch = random_batch(vocab).to(device)
     if checkpointing:
         enable_activation_checkpointing(model)
     params = list(model.parameters())
