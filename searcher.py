@@ -48,14 +48,18 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
                   temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
+    The batch carries the behaviour log-probs log μ(y|x) of the weights that sampled it (taken
+    during generation, at `temperature`): what importance weights and the staleness metrics of
+    `trainer.train_step` need, however old the group is when it is trained on.
     Generation and reference scoring run under the trainer's autocast `dtype`; the reference
     scores `score_batch` sequences per forward pass (0: all B·K at once).
     """
     device = next(policy.parameters()).device
     with models.autocast(device, dtype):
-        prompt_ids, prompt_mask, response_ids, response_len = models.generate(
+        prompt_ids, prompt_mask, response_ids, response_len, behaviour_logp = models.generate(
             policy, tokenizer, [p.ids for p in prompts], num_samples=group_size,
-            max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event)
+            max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event,
+            with_logprobs=True)
     completions = models.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
     reward, info = task.score(repeated, completions)
@@ -65,7 +69,8 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         response_len=response_len, reward=reward.view(len(prompts), group_size).to(prompt_ids.device),
         ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
         version=torch.full((len(prompts),), version, dtype=torch.long),
-        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long), info=info)
+        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long),
+        behaviour_logp=behaviour_logp, info=info)
     n_completions = len(prompts) * group_size
     size = score_batch or n_completions
     with models.autocast(device, dtype):
@@ -142,7 +147,8 @@ def add_to_buffer(buffer, prompt_ids, batch):
     """Write a searched batch into the replay buffer, one group per prompt."""
     for i, ids in enumerate(prompt_ids):
         buffer.add(ids, batch.response_ids[i], batch.response_len[i], batch.reward[i],
-                   batch.ref_logp[i], int(batch.version[i]), int(batch.prompt_index[i]))
+                   batch.ref_logp[i], batch.behaviour_logp[i], int(batch.version[i]),
+                   int(batch.prompt_index[i]))
 
 
 def run(rank, cfg, device, threads, buffer, weights, reports, stop):

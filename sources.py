@@ -21,6 +21,8 @@ weights every --sync-every steps; it never touches processes, buffers or Ray its
     RaySearchers       --searchers N --ray ADDRESS: Ray actors anywhere in a cluster; each batch
                        comes back as an object reference into a replay buffer the trainer keeps
 """
+import collections
+import copy
 import logging
 import math
 import os
@@ -43,7 +45,14 @@ REPO = Path(__file__).resolve().parent
 
 
 class InProcess:
-    """--searchers 0: each step samples fresh groups from the trainer's own policy."""
+    """--searchers 0: each step samples fresh groups from the trainer's own policy, or, with
+    --lag L, from the policy as it was exactly L updates earlier: staleness without replay,
+    timing or randomness of processes, so that a lag sweep isolates what staleness alone costs.
+
+    The lag keeps a CPU copy of the weights of each of the last L + 1 versions (`snapshots`)
+    and samples with a separate model (`sampler`) loaded from the oldest: L + 2 more copies of
+    the weights (SmolLM2-135M: 0.54 GB each, 9.7 GB at L = 16). The snapshots go into checkpoints, so a resumed run
+    samples with the same old weights as one that never stopped."""
 
     fill_target = 0                       # nothing to wait for before the first step
 
@@ -55,6 +64,9 @@ class InProcess:
         self.score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
         self.tokens = self.groups = 0
         self.infos = []
+        self.sampler = copy.deepcopy(policy).requires_grad_(False) if cfg.lag else policy
+        self.snapshots = collections.deque()  # (version, CPU weights), versions v − L .. v
+        self.sampler_version = None
 
     def start(self, policy, version):
         pass
@@ -62,12 +74,28 @@ class InProcess:
     def fill(self, progress=None):
         pass
 
+    def lagged_version(self, version):
+        """Have the sampler hold the weights of version max(version − L, 0). -> that version"""
+        if not self.cfg.lag:
+            return version                # the sampler is the policy itself
+        weights = WeightChannel.shipped_state(self.policy)
+        self.snapshots.append((version, {k: v.detach().to("cpu", copy=True)
+                                         for k, v in weights.items()}))
+        while self.snapshots[0][0] < version - self.cfg.lag:
+            self.snapshots.popleft()
+        sampled, weights = self.snapshots[0]
+        if sampled != self.sampler_version:
+            copy_weights(self.sampler, weights)
+            self.sampler_version = sampled
+        return sampled
+
     def next_batch(self, version):
         t0 = time.time()
+        sampled = self.lagged_version(version)
         batch, _ = searcher.sample_groups(
-            self.policy, self.ref_model, self.tokenizer, self.task, next(self.batches),
+            self.sampler, self.ref_model, self.tokenizer, self.task, next(self.batches),
             group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens,
-            temperature=self.cfg.temperature, version=version,
+            temperature=self.cfg.temperature, version=sampled,
             dtype=getattr(torch, self.cfg.dtype), score_batch=self.score_batch)
         self.batches_used += 1
         self.tokens += int(batch.response_len.sum())
@@ -87,13 +115,14 @@ class InProcess:
         return infos
 
     def state_dict(self):
-        return {"batches_used": self.batches_used}
+        return {"batches_used": self.batches_used, "snapshots": list(self.snapshots)}
 
     def load_state_dict(self, state, step):
         # The prompts an earlier synchronous session has seen (none if it ran searchers).
         self.batches_used = state.get("batches_used", 0)
         for _ in range(self.batches_used):
             next(self.batches)
+        self.snapshots = collections.deque(state.get("snapshots", []))   # --lag's old weights
 
     def close(self):
         pass
@@ -329,15 +358,18 @@ class Layout:
 
 def placement(cfg):
     """With G >= 2 GPUs the trainer takes cuda:0 and the searchers share cuda:1..G-1; with one GPU
-    everything shares it. On CPU the cores are split evenly, because processes that each use
-    every core slow each other down more than they gain. -> Layout"""
+    everything shares it. On CPU the cores this process may use are split evenly, because
+    processes that each use every core slow each other down more than they gain. -> Layout"""
     device = torch.device(cfg.device)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if gpus >= 2:
         searcher_devices = [f"cuda:{1 + i % (gpus - 1)}" for i in range(cfg.searchers)]
     else:
         searcher_devices = [str(device)] * cfg.searchers
-    return Layout(device, searcher_devices, max(1, (os.cpu_count() or 1) // (cfg.searchers + 1)))
+    cores = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):              # `taskset -c 0 python tba.py`: one core
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    return Layout(device, searcher_devices, max(1, cores // (cfg.searchers + 1)))
 
 
 def check_shared_memory(need, shm="/dev/shm"):

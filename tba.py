@@ -129,7 +129,7 @@ def train(cfg, setup):
             t0 = time.time()
             stats = trainer.train_step(
                 policy, setup.optimizer, setup.scheduler, batch, beta=beta, loss=cfg.loss,
-                temperature=cfg.temperature, micro_groups=cfg.micro_groups,
+                is_clip=cfg.is_clip, temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
                 dtype=dtype, scaler=setup.scaler)
             train_s = time.time() - t0

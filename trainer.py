@@ -192,20 +192,47 @@ def tb_loss(logp, ref_logp, reward, beta):
     return loss, log_z
 
 
-def rloo_loss(logp, ref_logp, reward, beta):
-    """On-policy REINFORCE leave-one-out: the baseline TB is compared against.
+def rloo_loss(logp, ref_logp, reward, beta, is_weight=None):
+    """REINFORCE leave-one-out: the baseline TB is compared against.
 
     The reward is KL-regularised, r − β·(log p_θ − log p_ref), and each completion's baseline is
-    the mean of the other K − 1 in its group. Valid only for samples from the current policy.
+    the mean of the other K − 1 in its group. Unbiased only for samples from the current policy;
+    `is_weight` [B, K] (`truncated_is_weights`) reweights samples of another policy μ towards it.
     """
     k = logp.shape[1]
     kl_reward = (reward - beta * (logp - ref_logp)).detach()                   # [B, K]
     baseline = (kl_reward.sum(1, keepdim=True) - kl_reward) / (k - 1)          # [B, K]
     advantage = kl_reward - baseline                                           # [B, K]
-    return -(advantage * logp).mean()
+    weight = 1.0 if is_weight is None else is_weight.detach()                  # [B, K]
+    return -(weight * advantage * logp).mean()
 
 
-LOSSES = {"tb": tb_loss, "rloo": rloo_loss}
+def truncated_is_weights(logp, behaviour_logp, clip):
+    """min(π(y|x) / μ(y|x), C) of each completion, the sequence-level truncated importance
+    weight of off-policy RLOO (slime, verl): unbiased below C, bounded variance above it.
+    logp, behaviour_logp: [B, K] log π and log μ summed over each response.       -> [B, K]"""
+    if behaviour_logp is None or behaviour_logp.isnan().any():
+        raise ValueError("--loss rloo-is needs the behaviour log-probs log μ of every group, "
+                         "and this batch has none: train it with --loss tb")
+    return (logp.detach() - behaviour_logp).exp().clamp(max=clip)             # [B, K]
+
+
+def off_policy_metrics(logp, behaviour_logp):
+    """How far the trained data is from the policy being trained, from the sequence log-ratios
+    log π/μ of its completions: their mean, and the effective sample size of the weights π/μ
+    as a fraction of the completions, ESS/N = (Σw)² / (N·Σw²), 1 when on-policy. Completions
+    without a recorded log μ (NaN) are left out. logp, behaviour_logp: [B, K]     -> dict"""
+    log_ratio = (logp.detach() - behaviour_logp).flatten()                      # [B·K]
+    log_ratio = log_ratio[~log_ratio.isnan()]                                   # [N]
+    if not log_ratio.numel():
+        return {}
+    # (Σw)² / Σw² in logs, so that large ratios do not overflow
+    log_ess = 2 * log_ratio.logsumexp(0) - (2 * log_ratio).logsumexp(0)
+    return {"log_ratio_mean": log_ratio.mean().item(),
+            "ess_frac": (log_ess.exp() / log_ratio.numel()).item()}
+
+
+LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss}
 
 
 def beta_at(step, beta, beta_final, beta_steps):
@@ -249,9 +276,9 @@ class NonFiniteError(ArithmeticError):
     """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
 
 
-def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", temperature=1.0,
-               micro_groups=None, max_grad_norm=None, micro_completions=0, dtype=torch.float32,
-               scaler=None):
+def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", is_clip=2.0,
+               temperature=1.0, micro_groups=None, max_grad_norm=None, micro_completions=0,
+               dtype=torch.float32, scaler=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches.
 
     Micro-batches of whole groups (`micro_groups`) keep each log Ẑ a mean over its own K
@@ -263,6 +290,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     extra forward pass buys a memory that no longer grows with K.
     Forward passes run under autocast to `dtype` over the float32 weights (see `models.autocast`);
     `scaler` (a GradScaler) scales float16 losses, whose small gradients would underflow.
+    `loss` "rloo-is" weights RLOO by min(π/μ, `is_clip`) from the batch's behaviour log-probs.
     The model stays in eval mode: dropout would make the trained log-probs differ from the
     sampled ones.
     A NaN or infinite loss or gradient norm raises NonFiniteError *before* the optimiser step:
@@ -289,7 +317,12 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
                                       completions=slice(s, s + size))  # [size]
             if size < n * k:
                 logp = torch.cat([held[:s], logp, held[s + size:]])   # [n·K]
-            out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta)
+            extra = {}
+            if loss == "rloo-is":
+                extra["is_weight"] = truncated_is_weights(
+                    logp.view(n, k), batch.behaviour_logp[part], is_clip)      # [n, K]
+            out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
+                          **extra)
             part_loss, log_z = out if isinstance(out, tuple) else (out, None)
             scaler.scale(part_loss * n / b).backward()
         total_loss += part_loss.item() * n / b
@@ -314,5 +347,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         "kl": (logp - batch.ref_logp).mean().item(),
         "reward_mean": batch.reward.mean().item(),
         "grad_norm": grad_norm.item(),
+        **(off_policy_metrics(logp, batch.behaviour_logp) if batch.behaviour_logp is not None
+           else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }

@@ -42,7 +42,7 @@ def main():
     def add(version=[0]):
         version[0] += 1
         buffer.add(prompt, responses, lengths, torch.rand(k), -torch.rand(k) * 100,
-                   version[0] // 50, version[0])
+                   -torch.rand(k) * 100, version[0] // 50, version[0])
 
     for _ in range(args.capacity):               # fill the ring
         add()

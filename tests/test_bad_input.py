@@ -87,7 +87,10 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--max-reuse", "-1"], "--max-reuse must be at least 0"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0"),
     (["--seed", "-1"], "--seed must be in [0, 4294967295]"),
-    (["--loss", "ppo"], "--loss must be one of tb, rloo"),
+    (["--loss", "ppo"], "--loss must be one of tb, rloo, rloo-is"),
+    (["--is-clip", "0"], "--is-clip must be greater than 0 (got 0.0)"),   # no weight at all
+    (["--is-clip", "-2"], "--is-clip must be greater than 0"),
+    (["--lag", "-1"], "--lag must be at least 0 (got -1)"),
     (["--task", "arith", "--arith-ops", "+/"], "--arith-ops must be made of + - *"),
     (["--task", "arith", "--prompt-style", "fancy"], "--prompt-style must be one of auto, chat"),
     # combinations
@@ -96,6 +99,8 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
     (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),
     (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
+    (["--lag", "2", "--searchers", "1"], "--lag 2 delays the synchronous loop's sampler, but "
+                                         "--searchers 1 samples in other processes"),
     (["--ray", "local", "--searchers", "0"], "--ray local runs the searchers as Ray actors, but "
                                              "--searchers is 0"),
     (["--ray", "127.0.0.1:abc"], "--ray 127.0.0.1:abc: pass local, auto, HOST:PORT"),

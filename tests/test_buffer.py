@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import time
 
@@ -16,7 +17,7 @@ def make_group(gid, k=K, p=P, r=R):
     resp = torch.full((k, int(lens.max())), gid)                   # [K, r'] (tails are not pad)
     return dict(prompt_ids=prompt, response_ids=resp, response_len=lens,
                 reward=torch.full((k,), float(gid)), ref_logp=torch.full((k,), -float(gid)),
-                version=gid, prompt_index=gid)
+                behaviour_logp=torch.full((k,), -2.0 * gid), version=gid, prompt_index=gid)
 
 
 def check_consistent(batch: GroupBatch, pad_id=0, p=P, r=R):
@@ -25,6 +26,7 @@ def check_consistent(batch: GroupBatch, pad_id=0, p=P, r=R):
         gid = int(batch.prompt_index[b])
         assert int(batch.version[b]) == gid
         assert torch.all(batch.reward[b] == gid) and torch.all(batch.ref_logp[b] == -gid)
+        assert torch.all(batch.behaviour_logp[b] == -2 * gid)
         mask = batch.prompt_mask[b].bool()
         assert int(mask.sum()) == 1 + gid % p
         assert torch.equal(batch.prompt_ids[b], torch.where(mask, gid, pad_id))
@@ -80,8 +82,8 @@ def test_sample_shapes_and_trimming():
 def test_padding_and_lengths():
     buf = ReplayBuffer(4, 2, max_prompt_len=5, max_response_len=4, pad_id=9)
     # response tails past the length hold junk (7) that must become pad
-    buf.add([1, 2], [[3, 4, 7], [5, 7, 7]], [2, 1], [0.0, 1.0], [-1.0, -2.0], 0, 0)
-    buf.add([1, 2, 3], [[6, 6], [6, 6]], [2, 2], [0.0, 0.0], [0.0, 0.0], 0, 1)
+    buf.add([1, 2], [[3, 4, 7], [5, 7, 7]], [2, 1], [0.0, 1.0], [-1.0, -2.0], [-3.0, -4.0], 0, 0)
+    buf.add([1, 2, 3], [[6, 6], [6, 6]], [2, 2], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], 0, 1)
     b = buf.sample(2, recent_frac=0.0)
     first, second = b.prompt_index.tolist().index(0), b.prompt_index.tolist().index(1)
     assert b.prompt_ids.shape == (2, 3) and b.response_ids.shape == (2, 2, 2)
@@ -90,6 +92,7 @@ def test_padding_and_lengths():
     assert b.response_ids[first].tolist() == [[3, 4], [5, 9]]
     assert b.response_len[first].tolist() == [2, 1]
     assert b.ref_logp[first].tolist() == [-1.0, -2.0]
+    assert b.behaviour_logp[first].tolist() == [-3.0, -4.0]
 
 
 def test_add_rejects_bad_shapes():
@@ -98,7 +101,8 @@ def test_add_rejects_bad_shapes():
     for key, bad in [("prompt_ids", torch.ones(P + 1)), ("prompt_ids", torch.ones(1, 2)),
                      ("response_ids", torch.ones(K, R + 1)), ("response_ids", torch.ones(K + 1, 2)),
                      ("response_len", torch.tensor([1, 2])), ("reward", torch.zeros(K + 1)),
-                     ("response_len", torch.full((K,), R + 1))]:
+                     ("response_len", torch.full((K,), R + 1)),
+                     ("behaviour_logp", torch.zeros(K - 1))]:
         with pytest.raises(ValueError):
             buf.add(**{**g, key: bad})
     assert len(buf) == 0
@@ -190,6 +194,19 @@ def test_state_dict_round_trip():
         ReplayBuffer(6, K, P, R).load_state_dict(state, max_version=7)
 
 
+def test_state_without_behaviour_logprobs_loads_them_as_unknown():
+    """A checkpoint written before behaviour log-probs were recorded still resumes: its groups
+    come back with NaN ones (TB does not need them; importance weights are refused up front)."""
+    state = filled(7, capacity=5).state_dict()
+    del state["behaviour_logp"]
+    buf = ReplayBuffer(5, K, P, R)
+    buf.load_state_dict(state, max_version=7)
+    batch = buf.sample(5, 0.0)
+    assert batch.behaviour_logp.isnan().all()
+    check_consistent(dataclasses.replace(batch, behaviour_logp=torch.full((5, K), 0.0)
+                                         - 2 * batch.prompt_index[:, None]))
+
+
 def spoiled(name, index, value):
     state = filled(7, capacity=5).state_dict()
     state[name][index] = value
@@ -204,6 +221,7 @@ def spoiled(name, index, value):
     (spoiled("version", 1, -1), "versions outside"),
     (spoiled("reward", (3, 2), math.nan), "non-finite rewards"),
     (spoiled("ref_logp", (0, 0), -math.inf), "non-finite reference log-probs"),
+    (spoiled("behaviour_logp", (1, 1), -math.inf), "infinite behaviour log-probs"),
     (spoiled("order", 0, 99), "insertion orders"),
     (spoiled("draws", 0, -2), "negative draw counts"),
     (dict(spoiled("draws", 0, 0), n_added=-3), "'n_added' must be a count"),

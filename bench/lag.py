@@ -1,0 +1,184 @@
+"""Accuracy against staleness: trajectory balance and off-policy RLOO at an exact policy lag.
+
+    python bench/lag.py arith                 # TB, RLOO+IS at L = 0 4 16, seeds 0 1 2
+    python bench/lag.py toy                   # TB, RLOO, RLOO+IS at L = 0 32 128, seeds 0 1 2
+    python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
+    python bench/lag.py arith --report-only   # the table and the plot of what has finished
+
+Every run is `python tba.py --task TASK --lag L --loss LOSS --seed S` plus the task's flags
+below: the synchronous loop, whose groups are sampled by the policy as it was exactly L updates
+earlier (`sources.InProcess`). Prompts, seeds and everything else are the same at every L, so
+the table shows what staleness alone costs each loss, free of replay and of process timing.
+  tb        trajectory balance (`trainer.tb_loss`)
+  rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
+  rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
+arith runs at β = 0.05, the TRL comparison's setting (bench/vs_trl.py), whose tba-sync runs are
+TB at L = 0: a folder of those (`--reuse DIR`) is copied in instead of being run again.
+
+Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
+the figures that matter most); a finished run (its metrics hold the last step's evaluation) is
+skipped, an unfinished one started again. --lanes 2 runs two at once, each with `taskset` on
+one core (tba then uses one thread): more runs an hour on 2 cores than one run on both, since
+generation is mostly per-token Python. The trained models are deleted (--save-every 0 leaves
+final/; the figures are in metrics.jsonl). The report gives the final metric, the metric at
+each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
+mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss.
+"""
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TASKS = {
+    "arith": dict(flags=["--beta", "0.05", "--beta-final", "0.05"], losses=("tb", "rloo-is"),
+                  lags=(16, 4, 0), metric="eval/accuracy", better="higher"),
+    "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is"), lags=(128, 32, 0), metric="toy/tv",
+                better="lower"),
+}
+
+
+def folder(runs, loss, lag, seed):
+    return runs / f"{loss}-L{lag}-s{seed}"
+
+
+def read(run_dir):
+    """(training rows, evaluation rows) of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r for r in rows if "loss" in r], [r for r in rows if "loss" not in r]
+
+
+def finished(run_dir, steps):
+    if not (run_dir / "metrics.jsonl").is_file():
+        return False
+    train, evals = read(run_dir)
+    return bool(evals) and evals[-1]["step"] == steps and len(train) == steps
+
+
+def command(task, loss, lag, seed, out, core=None):
+    pin = ["taskset", "-c", str(core)] if core is not None else []
+    return [*pin, sys.executable, "tba.py", "--task", task, "--searchers", "0", "--lag", str(lag),
+            "--loss", loss, "--seed", str(seed), "--save-every", "0", "--device", "cpu",
+            "--quiet", *TASKS[task]["flags"], "--out", str(out)]
+
+
+def run_all(task, todo, lanes):
+    """Run each (loss, lag, seed, out) not yet finished, `lanes` at a time."""
+    running = {}                                       # core -> (Popen, out, log)
+    todo = list(todo)
+    while todo or running:
+        for core in range(lanes):
+            if core not in running and todo:
+                loss, lag, seed, out = todo.pop(0)
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True)
+                log = open(out.parent / f"{out.name}.log", "w")
+                print(f"start {out.name}" + (f" on core {core}" if lanes > 1 else ""), flush=True)
+                running[core] = (subprocess.Popen(
+                    command(task, loss, lag, seed, out, core if lanes > 1 else None),
+                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT), out, log)
+        time.sleep(2)
+        for core, (proc, out, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[core]
+                print(f"done {out.name}: exit {proc.returncode}", flush=True)
+                shutil.rmtree(out / "final", ignore_errors=True)
+
+
+def summary(values, digits=3):
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return (f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} "
+            f"[{min(values):.{digits}f}–{max(values):.{digits}f}] (n={len(values)})")
+
+
+def report(task, runs, seeds, steps, plot_to):
+    spec, metric = TASKS[task], TASKS[task]["metric"]
+    print(f"\n{task}: {metric} ({spec['better']} is better), {len(seeds)} seeds; "
+          f"flags {' '.join(spec['flags']) or '(task defaults)'}\n")
+    print(f"| loss | L | final {metric} | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
+    print("|---|---|---|---|---|---|---|")
+    finals = {}
+    for loss in spec["losses"]:
+        for lag in sorted(spec["lags"]):
+            done = [folder(runs, loss, lag, s) for s in seeds
+                    if finished(folder(runs, loss, lag, s), steps)]
+            if not done:
+                continue
+            data = [read(d) for d in done]
+            final = [e[-1][metric] for _, e in data]
+            finals[(loss, lag)] = final
+            by_step = {}
+            for _, evals in data:
+                for e in evals:
+                    by_step.setdefault(e["step"], []).append(e[metric])
+            curve = " ".join(f"{s}: {statistics.mean(v):.3f}" for s, v in sorted(by_step.items()))
+            ess = [statistics.mean(r["ess_frac"] for r in t) for t, _ in data if "ess_frac" in t[0]]
+            ratio = [statistics.mean(r["log_ratio_mean"] for r in t) for t, _ in data
+                     if "log_ratio_mean" in t[0]]
+            kl = [t[-1]["kl"] for t, _ in data]
+            print(f"| {loss} | {lag} | {summary(final)} | {curve} | {summary(ess)} | "
+                  f"{summary(ratio)} | {summary(kl)} |")
+    if plot_to and finals:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for loss in spec["losses"]:
+            points = sorted((lag, v) for (lo, lag), v in finals.items() if lo == loss)
+            if points:
+                lags = [p[0] for p in points]
+                ax.errorbar(lags, [statistics.mean(v) for _, v in points],
+                            yerr=[statistics.stdev(v) if len(v) > 1 else 0 for _, v in points],
+                            marker="o", capsize=3, label=loss)
+        ax.set_xlabel("policy lag L (updates)")
+        ax.set_ylabel(f"final {metric}")
+        ax.set_title(f"{task}: final {metric} against lag (mean ± sd over seeds)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot_to, dpi=120)
+        print(f"\nplot: {plot_to}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--lags", type=int, nargs="+", help="default: the task's")
+    parser.add_argument("--losses", nargs="+", help="default: the task's")
+    parser.add_argument("--lanes", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--runs", type=Path, help="default: runs/bench-lag-TASK")
+    parser.add_argument("--reuse", type=Path, help="arith: a bench/vs_trl.py folder whose "
+                        "tba-sync-sN runs are TB at L = 0 (the same command)")
+    parser.add_argument("--plot", type=Path, help="PNG of final metric against lag")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    spec = TASKS[args.task]
+    spec["lags"] = tuple(args.lags or spec["lags"])
+    spec["losses"] = tuple(args.losses or spec["losses"])
+    runs = args.runs or REPO / "runs" / f"bench-lag-{args.task}"
+    sys.path.insert(0, str(REPO))
+    import tasks
+    steps = tasks.task_class(args.task).defaults["steps"]
+    if args.reuse:
+        for seed in args.seeds:
+            source, target = args.reuse / f"tba-sync-s{seed}", folder(runs, "tb", 0, seed)
+            if finished(source, steps) and not finished(target, steps):
+                shutil.copytree(source, target, dirs_exist_ok=True)
+    todo = [(loss, lag, seed, folder(runs, loss, lag, seed))
+            for lag in spec["lags"] for seed in args.seeds for loss in spec["losses"]]
+    todo = [t for t in todo if not finished(t[3], steps)]
+    if not args.report_only:
+        run_all(args.task, todo, args.lanes)
+    report(args.task, runs, args.seeds, steps, args.plot)
+
+
+if __name__ == "__main__":
+    main()

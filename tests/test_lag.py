@@ -1,0 +1,180 @@
+"""Staleness, measured and controlled: behaviour log-probs, --lag, importance weights and ESS."""
+import copy
+import math
+
+import pytest
+import torch
+
+import models
+import searcher
+import sources
+import tasks
+import trainer
+from config import Config, resolve
+from test_trainer import random_batch, tiny_llama
+from tasks.toy import build_model, build_tokenizer
+
+
+def sampled(model, tokenizer, prompts, k=6, temperature=1.0):
+    """Generation's own behaviour log-probs, and the trainer's for the same completions."""
+    torch.manual_seed(1)
+    ids, mask, response_ids, response_len, behaviour_logp = models.generate(
+        model, tokenizer, prompts, num_samples=k, max_new_tokens=5, temperature=temperature,
+        with_logprobs=True)
+    batch = random_batch(2)                       # replaced field by field below
+    batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_len = (
+        ids, mask, response_ids, response_len)
+    batch.reward = torch.zeros(len(prompts), k)
+    with torch.no_grad():
+        logp = trainer.group_logprobs(model, batch, temperature).view(len(prompts), k)
+    return response_ids, behaviour_logp, logp
+
+
+@pytest.mark.parametrize("make, prompts", [("toy", [[1], [4, 2]]), ("llama", [[3, 5, 7], [4, 2]])])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_the_trainers_when_nothing_is_stale(make, prompts, temperature):
+    """log μ recorded while sampling == log π the trainer computes for the same weights and
+    completions (float32; 1e-5 on sums of 5 token log-probs: the cached decoding and the
+    trainer's shared-prompt pass add in different orders). Recording draws nothing: same
+    tokens as without it."""
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer)) if make == "toy" else tiny_llama()
+    response_ids, behaviour_logp, logp = sampled(model, tokenizer, prompts,
+                                                 temperature=temperature)
+    assert behaviour_logp.shape == (2, 6)
+    assert torch.allclose(behaviour_logp, logp, atol=1e-5)
+    torch.manual_seed(1)
+    _, _, plain_ids, _ = models.generate(model, tokenizer, prompts, num_samples=6,
+                                         max_new_tokens=5, temperature=temperature)
+    assert torch.equal(plain_ids, response_ids)
+
+
+def test_truncated_is_weights_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    behaviour_logp = torch.tensor([[-1.0, -3.0, -2.0]])       # ratios 1, e, 1/e
+    w = trainer.truncated_is_weights(logp, behaviour_logp, clip=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, math.exp(-1)]]))
+    w = trainer.truncated_is_weights(logp, behaviour_logp, clip=8.0)
+    assert torch.allclose(w, torch.tensor([[1.0, math.e, math.exp(-1)]]))
+    with pytest.raises(ValueError, match="needs the behaviour log-probs"):
+        trainer.truncated_is_weights(logp, None, clip=2.0)
+    with pytest.raises(ValueError, match="needs the behaviour log-probs"):
+        trainer.truncated_is_weights(logp, torch.full((1, 3), math.nan), clip=2.0)
+
+
+def test_rloo_with_is_weights_by_hand():
+    """loss = −mean(w · A · log π), A the leave-one-out advantage of r − β(log π − log p_ref),
+    w held constant: its gradient with respect to log π is −w·A/N."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    ref_logp = torch.zeros(1, 3)
+    reward = torch.tensor([[1.0, 0.0, 0.0]])
+    beta, w = 0.5, torch.tensor([[2.0, 1.0, 0.5]])
+    kl_reward = torch.tensor([[1.5, 1.0, 1.5]])               # r − 0.5·log π
+    advantage = kl_reward - torch.tensor([[1.25, 1.5, 1.25]])  # minus the mean of the others
+    loss = trainer.rloo_loss(logp, ref_logp, reward, beta, is_weight=w)
+    assert loss.item() == pytest.approx(-(w * advantage * logp.detach()).mean().item())
+    loss.backward()
+    assert torch.allclose(logp.grad, -(w * advantage) / 3)
+    # unit weights are plain RLOO
+    plain = trainer.rloo_loss(logp.detach(), ref_logp, reward, beta)
+    ones = trainer.rloo_loss(logp.detach(), ref_logp, reward, beta, is_weight=torch.ones(1, 3))
+    assert plain.item() == ones.item()
+
+
+def test_ess_and_log_ratio_by_hand():
+    logp = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    behaviour_logp = torch.tensor([[0.0, 0.0], [0.0, -math.log(3)]])   # weights 1, 1, 1, 3
+    m = trainer.off_policy_metrics(logp, behaviour_logp)
+    assert m["log_ratio_mean"] == pytest.approx(math.log(3) / 4)
+    assert m["ess_frac"] == pytest.approx(6 ** 2 / 12 / 4)             # (Σw)²/Σw² = 3 of 4
+    on_policy = trainer.off_policy_metrics(logp, logp)
+    assert on_policy == {"log_ratio_mean": 0.0, "ess_frac": pytest.approx(1.0)}
+    # completions without a recorded μ are left out; huge ratios do not overflow
+    unknown = torch.tensor([[math.nan, 0.0], [0.0, -1000.0]])
+    m = trainer.off_policy_metrics(logp, unknown)
+    assert m["ess_frac"] == pytest.approx(1 / 3)
+
+
+def lagged_source(lag, steps=6):
+    """An InProcess source of the toy task with --lag `lag`, and the policy it lags behind."""
+    cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8))
+    task = tasks.make_task(cfg)
+    policy, tokenizer = task.load_model(torch.device("cpu"))
+    ref_model = copy.deepcopy(policy).requires_grad_(False)
+    source = sources.InProcess(cfg, task, policy, ref_model, tokenizer,
+                               task.prompts("train", tokenizer))
+    return cfg, source, policy
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag):
+    """Each step's groups come from version max(v − L, 0): its stamp says so, and its behaviour
+    log-probs are that version's log-probs (computed here from a copy the test kept), not those
+    of the versions beside it. L = 0 samples with the policy itself."""
+    cfg, source, policy = lagged_source(lag)
+    kept = []                                        # the test's own copy of every version
+    for version in range(7):
+        kept.append(copy.deepcopy(policy))
+        batch, _ = source.next_batch(version)
+        want = max(version - lag, 0)
+        assert batch.version.tolist() == [want] * 2
+        with torch.no_grad():
+            errors = [(trainer.group_logprobs(m, batch, cfg.temperature).view(2, -1)
+                       - batch.behaviour_logp).abs().max().item() for m in kept]
+        assert errors[want] < 1e-5
+        assert all(e > 1e-3 for i, e in enumerate(errors) if i != want), errors
+        with torch.no_grad():                        # "an update": every weight moves
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    assert (source.sampler is policy) == (lag == 0)
+    assert len(source.snapshots) == lag + 1 if lag else not source.snapshots
+
+
+def test_lag_zero_is_the_synchronous_loop_bit_for_bit():
+    """--lag 0 samples what `searcher.sample_groups` gives on the policy itself, from the same
+    random state: same tokens, same behaviour log-probs."""
+    cfg, source, policy = lagged_source(0)
+    torch.manual_seed(5)
+    batch, _ = source.next_batch(0)
+    prompts = next(searcher.prompt_batches(source.task.prompts("train", source.tokenizer),
+                                           cfg.prompts_per_step, cfg.seed))
+    torch.manual_seed(5)
+    direct, _ = searcher.sample_groups(policy, source.ref_model, source.tokenizer, source.task,
+                                       prompts, group_size=cfg.group_size,
+                                       max_new_tokens=cfg.max_new_tokens,
+                                       temperature=cfg.temperature)
+    for name in ("response_ids", "response_len", "reward", "ref_logp", "behaviour_logp"):
+        assert torch.equal(getattr(batch, name), getattr(direct, name)), name
+
+
+def test_lag_zero_run_equals_the_synchronous_run(tmp_path):
+    """The whole loop: `--lag 0` ends with the same weights as the synchronous run."""
+    from safetensors.torch import load_file
+    import tba
+    args = ["--task", "toy", "--searchers", "0", "--steps", "4", "--save-every", "0", "--quiet"]
+    assert tba.main([*args, "--out", str(tmp_path / "sync")]) == 0
+    assert tba.main([*args, "--lag", "0", "--out", str(tmp_path / "lag0")]) == 0
+    a = load_file(tmp_path / "sync" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "lag0" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_run_says_how_off_policy_its_data_was(tmp_path):
+    """A searcher's groups carry the log μ of the weights that sampled them through the shared
+    buffer; each step logs mean log π/μ and ESS/N (on-policy: 0 and 1)."""
+    import json
+    import tba
+    for name, flags in (("sync", ["--searchers", "0"]), ("async", ["--searchers", "1"]),
+                        ("lag", ["--lag", "4", "--loss", "rloo-is"])):
+        out = tmp_path / name
+        assert tba.main(["--task", "toy", "--steps", "8", "--save-every", "0", "--quiet",
+                         "--eval-every", "0", *flags, "--out", str(out)]) == 0
+        rows = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+        assert all(0 < r["ess_frac"] <= 1 + 1e-6 and math.isfinite(r["log_ratio_mean"])
+                   for r in rows)
+        if name == "sync":
+            assert all(abs(r["log_ratio_mean"]) < 1e-5 and r["ess_frac"] > 1 - 1e-5
+                       for r in rows)
+        if name == "lag":
+            assert [r["staleness_mean"] for r in rows] == [0, 1, 2, 3, 4, 4, 4, 4]
+            assert all(r["ess_frac"] < 1 - 1e-4 for r in rows[1:])
