@@ -21,7 +21,6 @@ weights every --sync-every steps; it never touches processes, buffers or Ray its
     RaySearchers       --searchers N --ray ADDRESS: Ray actors anywhere in a cluster; each batch
                        comes back as an object reference into a replay buffer the trainer keeps
 """
-import collections
 import copy
 import logging
 import math
@@ -49,10 +48,12 @@ class InProcess:
     --lag L, from the policy as it was exactly L updates earlier: staleness without replay,
     timing or randomness of processes, so that a lag sweep isolates what staleness alone costs.
 
-    The lag keeps a CPU copy of the weights of each of the last L + 1 versions (`snapshots`)
-    and samples with a separate model (`sampler`) loaded from the oldest: L + 2 more copies of
-    the weights (SmolLM2-135M: 0.54 GB each, 9.7 GB at L = 16). The snapshots go into checkpoints, so a resumed run
-    samples with the same old weights as one that never stopped."""
+    The lag writes the weights of each version to RUN/lag/ and samples with a separate model
+    (`sampler`) loaded from the file of version v − L: one more copy of the weights in memory,
+    L + 1 files on disk (SmolLM2-135M: 0.54 GB each, 9.2 GB at L = 16; in memory, 16 copies
+    and the trainer's activations would not leave room for a second run on 24 GB). A checkpoint
+    records which versions it needs next, and their files stay until the next checkpoint, so a
+    resumed run samples with the same old weights as one that never stopped."""
 
     fill_target = 0                       # nothing to wait for before the first step
 
@@ -65,8 +66,10 @@ class InProcess:
         self.tokens = self.groups = 0
         self.infos = []
         self.sampler = copy.deepcopy(policy).requires_grad_(False) if cfg.lag else policy
-        self.snapshots = collections.deque()  # (version, CPU weights), versions v − L .. v
+        self.lag_dir = Path(cfg.out) / "lag"
         self.sampler_version = None
+        self.next_version = 0             # the version the next step starts from
+        self.pinned = None                # the oldest version the newest checkpoint needs
 
     def start(self, policy, version):
         pass
@@ -74,19 +77,28 @@ class InProcess:
     def fill(self, progress=None):
         pass
 
+    def weights_file(self, version):
+        return self.lag_dir / f"version_{version}.pt"
+
     def lagged_version(self, version):
         """Have the sampler hold the weights of version max(version − L, 0). -> that version"""
+        self.next_version = version + 1
         if not self.cfg.lag:
             return version                # the sampler is the policy itself
-        weights = WeightChannel.shipped_state(self.policy)
-        self.snapshots.append((version, {k: v.detach().to("cpu", copy=True)
-                                         for k, v in weights.items()}))
-        while self.snapshots[0][0] < version - self.cfg.lag:
-            self.snapshots.popleft()
-        sampled, weights = self.snapshots[0]
+        self.lag_dir.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().cpu() for k, v in WeightChannel.shipped_state(self.policy).items()}
+        tmp = self.weights_file(version).with_suffix(".tmp")
+        torch.save(weights, tmp)
+        tmp.replace(self.weights_file(version))    # whole files only, even if the run dies here
+        sampled = max(version - self.cfg.lag, 0)
         if sampled != self.sampler_version:
-            copy_weights(self.sampler, weights)
+            copy_weights(self.sampler, torch.load(self.weights_file(sampled), mmap=True,
+                                                  weights_only=True))
             self.sampler_version = sampled
+        keep_from = sampled if self.pinned is None else min(sampled, self.pinned)
+        for old in self.lag_dir.glob("version_*.pt"):     # what no step or checkpoint needs
+            if int(old.stem.split("_")[1]) < keep_from:
+                old.unlink()
         return sampled
 
     def next_batch(self, version):
@@ -115,14 +127,23 @@ class InProcess:
         return infos
 
     def state_dict(self):
-        return {"batches_used": self.batches_used, "snapshots": list(self.snapshots)}
+        # Called for a checkpoint: --lag's files from its next sampled version on must stay.
+        self.pinned = max(self.next_version - self.cfg.lag, 0)
+        return {"batches_used": self.batches_used}
 
     def load_state_dict(self, state, step):
         # The prompts an earlier synchronous session has seen (none if it ran searchers).
         self.batches_used = state.get("batches_used", 0)
         for _ in range(self.batches_used):
             next(self.batches)
-        self.snapshots = collections.deque(state.get("snapshots", []))   # --lag's old weights
+        self.next_version, self.pinned = step, max(step - self.cfg.lag, 0)
+        if self.cfg.lag:
+            missing = [v for v in range(max(step - self.cfg.lag, 0), step)
+                       if not self.weights_file(v).is_file()]
+            if missing:
+                raise ValueError(f"{self.lag_dir} lacks the weights of version {missing[0]} that "
+                                 f"--lag {self.cfg.lag} samples with after step {step}: they "
+                                 "were deleted; start the run again")
 
     def close(self):
         pass

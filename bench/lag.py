@@ -18,9 +18,8 @@ TB at L = 0: a folder of those (`--reuse DIR`) is copied in instead of being run
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
 the figures that matter most); a finished run (its metrics hold the last step's evaluation) is
 skipped, an unfinished one started again. --lanes 2 runs two at once, each with `taskset` on
-one core (tba then uses one thread): more runs an hour on 2 cores than one run on both, since
-generation is mostly per-token Python. The trained models are deleted (--save-every 0 leaves
-final/; the figures are in metrics.jsonl). The report gives the final metric, the metric at
+one core (tba then uses one thread). The trained models and --lag's weight files are deleted
+after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss.
 """
@@ -69,26 +68,26 @@ def command(task, loss, lag, seed, out, core=None):
 
 def run_all(task, todo, lanes):
     """Run each (loss, lag, seed, out) not yet finished, `lanes` at a time."""
-    running = {}                                       # core -> (Popen, out, log)
-    todo = list(todo)
+    todo, running = list(todo), {}                     # lane -> (Popen, out, log)
     while todo or running:
-        for core in range(lanes):
-            if core not in running and todo:
+        for lane in range(lanes):
+            if lane not in running and todo:
                 loss, lag, seed, out = todo.pop(0)
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir(parents=True)
                 log = open(out.parent / f"{out.name}.log", "w")
-                print(f"start {out.name}" + (f" on core {core}" if lanes > 1 else ""), flush=True)
-                running[core] = (subprocess.Popen(
-                    command(task, loss, lag, seed, out, core if lanes > 1 else None),
+                print(f"start {out.name}" + (f" on core {lane}" if lanes > 1 else ""), flush=True)
+                running[lane] = (subprocess.Popen(
+                    command(task, loss, lag, seed, out, lane if lanes > 1 else None),
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT), out, log)
         time.sleep(2)
-        for core, (proc, out, log) in list(running.items()):
+        for lane, (proc, out, log) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
-                del running[core]
+                del running[lane]
                 print(f"done {out.name}: exit {proc.returncode}", flush=True)
-                shutil.rmtree(out / "final", ignore_errors=True)
+                for kept in ("final", "lag"):      # the trained model, --lag's old weights
+                    shutil.rmtree(out / kept, ignore_errors=True)
 
 
 def summary(values, digits=3):

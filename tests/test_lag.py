@@ -95,9 +95,10 @@ def test_ess_and_log_ratio_by_hand():
     assert m["ess_frac"] == pytest.approx(1 / 3)
 
 
-def lagged_source(lag, steps=6):
+def lagged_source(lag, out):
     """An InProcess source of the toy task with --lag `lag`, and the policy it lags behind."""
-    cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8))
+    cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8,
+                         out=str(out)))
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     ref_model = copy.deepcopy(policy).requires_grad_(False)
@@ -107,12 +108,13 @@ def lagged_source(lag, steps=6):
 
 
 @pytest.mark.parametrize("lag", [0, 3])
-def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag):
+def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag, tmp_path):
     """Each step's groups come from version max(v − L, 0): its stamp says so, and its behaviour
     log-probs are that version's log-probs (computed here from a copy the test kept), not those
-    of the versions beside it. L = 0 samples with the policy itself."""
-    cfg, source, policy = lagged_source(lag)
-    kept = []                                        # the test's own copy of every version
+    of the versions beside it. L = 0 samples with the policy itself. Only the L + 1 newest
+    versions stay on disk, until a checkpoint pins the ones it needs."""
+    cfg, source, policy = lagged_source(lag, tmp_path)
+    kept, pinned = [], None                          # the test's own copy of every version
     for version in range(7):
         kept.append(copy.deepcopy(policy))
         batch, _ = source.next_batch(version)
@@ -123,17 +125,22 @@ def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag):
                        - batch.behaviour_logp).abs().max().item() for m in kept]
         assert errors[want] < 1e-5
         assert all(e > 1e-3 for i, e in enumerate(errors) if i != want), errors
+        on_disk = sorted(int(f.stem[8:]) for f in (tmp_path / "lag").glob("version_*.pt"))
+        keep_from = want if pinned is None else min(want, pinned)
+        assert on_disk == (list(range(keep_from, version + 1)) if lag else [])
+        if version == 4:                  # a checkpoint after step 5: its next steps need
+            source.state_dict()           # versions 5 − L on, kept until the next checkpoint
+            pinned = max(5 - lag, 0)
         with torch.no_grad():                        # "an update": every weight moves
             for p in policy.parameters():
                 p.add_(0.05 * torch.randn_like(p))
     assert (source.sampler is policy) == (lag == 0)
-    assert len(source.snapshots) == lag + 1 if lag else not source.snapshots
 
 
-def test_lag_zero_is_the_synchronous_loop_bit_for_bit():
+def test_lag_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
     """--lag 0 samples what `searcher.sample_groups` gives on the policy itself, from the same
     random state: same tokens, same behaviour log-probs."""
-    cfg, source, policy = lagged_source(0)
+    cfg, source, policy = lagged_source(0, tmp_path)
     torch.manual_seed(5)
     batch, _ = source.next_batch(0)
     prompts = next(searcher.prompt_batches(source.task.prompts("train", source.tokenizer),
@@ -178,3 +185,19 @@ def test_every_run_says_how_off_policy_its_data_was(tmp_path):
         if name == "lag":
             assert [r["staleness_mean"] for r in rows] == [0, 1, 2, 3, 4, 4, 4, 4]
             assert all(r["ess_frac"] < 1 - 1e-4 for r in rows[1:])
+
+
+def test_a_lagged_run_resumes_only_with_its_old_weights(tmp_path, capsys):
+    """The checkpoint's next steps sample with versions kept in RUN/lag/; if they are gone,
+    the resume is refused in one line before anything is written."""
+    import tba
+    out = tmp_path / "run"
+    assert tba.main(["--task", "toy", "--lag", "3", "--steps", "4", "--save-every", "2",
+                     "--quiet", "--out", str(out)]) == 0
+    on_disk = sorted(f.name for f in (out / "lag").iterdir())
+    assert on_disk[-3:] == ["version_1.pt", "version_2.pt", "version_3.pt"]  # for steps 5, 6, 7
+    (out / "lag" / "version_1.pt").unlink()
+    capsys.readouterr()
+    assert tba.main(["--resume", str(out), "--steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks the weights of version 1 that --lag 3 samples" in err
