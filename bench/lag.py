@@ -21,7 +21,8 @@ skipped, an unfinished one started again. --lanes 2 runs two at once, each with 
 one core (tba then uses one thread). The trained models and --lag's weight files are deleted
 after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
-mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss.
+mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
+through the seeds' mean and a dot per seed.
 """
 import argparse
 import json
@@ -132,14 +133,14 @@ def report(task, runs, seeds, steps, plot_to):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for loss in spec["losses"]:
             points = sorted((lag, v) for (lo, lag), v in finals.items() if lo == loss)
-            if points:
-                lags = [p[0] for p in points]
-                ax.errorbar(lags, [statistics.mean(v) for _, v in points],
-                            yerr=[statistics.stdev(v) if len(v) > 1 else 0 for _, v in points],
-                            marker="o", capsize=3, label=loss)
+            if points:                   # the mean as a line, every seed as a dot
+                line, = ax.plot([lag for lag, _ in points],
+                                [statistics.mean(v) for _, v in points], marker="o", label=loss)
+                ax.scatter([lag for lag, v in points for _ in v], [x for _, v in points for x in v],
+                           color=line.get_color(), alpha=0.4, s=14)
         ax.set_xlabel("policy lag L (updates)")
         ax.set_ylabel(f"final {metric}")
-        ax.set_title(f"{task}: final {metric} against lag (mean ± sd over seeds)")
+        ax.set_title(f"{task}: final {metric} against lag (mean; dots: seeds)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(plot_to, dpi=120)

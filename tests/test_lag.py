@@ -201,3 +201,29 @@ def test_a_lagged_run_resumes_only_with_its_old_weights(tmp_path, capsys):
     assert tba.main(["--resume", str(out), "--steps", "6"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lacks the weights of version 1 that --lag 3 samples" in err
+
+
+def test_uncorrected_rloo_is_tb_at_any_lag():
+    """Neither loss looks at μ, so on groups sampled by *another* policy too (here the
+    reference, far from the trained policy) ∇ RLOO = (β/2)·K/(K−1)·∇ TB, exactly: at one β,
+    uncorrected RLOO and TB take the same direction at every lag, and only the importance
+    weights of rloo-is make a different off-policy baseline."""
+    from test_trainer import sampled_batch
+    tokenizer = build_tokenizer()
+    reference = build_model(len(tokenizer))
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    beta, k = 0.3, 6
+    batch = sampled_batch(reference, tokenizer, reference, k=k)      # stale: the old policy's
+    params = list(policy.parameters())
+    grads = {}
+    for name, loss_fn in (("tb", trainer.tb_loss), ("rloo", trainer.rloo_loss)):
+        logp = trainer.group_logprobs(policy, batch).view(2, k)
+        out = loss_fn(logp, batch.ref_logp, batch.reward, beta)
+        loss = out[0] if isinstance(out, tuple) else out
+        grads[name] = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    assert grads["tb"].norm() > 1e-3
+    torch.testing.assert_close(grads["rloo"], (beta / 2) * k / (k - 1) * grads["tb"],
+                               rtol=1e-4, atol=1e-7)
