@@ -22,7 +22,7 @@ one core (tba then uses one thread). The trained models and --lag's weight files
 after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
-through the seeds' mean and a dot per seed.
+through the seeds' mean and a dot per seed (settings with every seed finished only).
 """
 import argparse
 import json
@@ -132,7 +132,8 @@ def report(task, runs, seeds, steps, plot_to):
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for loss in spec["losses"]:
-            points = sorted((lag, v) for (lo, lag), v in finals.items() if lo == loss)
+            points = sorted((lag, v) for (lo, lag), v in finals.items()
+                            if lo == loss and len(v) == len(seeds))     # complete settings only
             if points:                   # the mean as a line, every seed as a dot
                 line, = ax.plot([lag for lag, _ in points],
                                 [statistics.mean(v) for _, v in points], marker="o", label=loss)
@@ -140,7 +141,7 @@ def report(task, runs, seeds, steps, plot_to):
                            color=line.get_color(), alpha=0.4, s=14)
         ax.set_xlabel("policy lag L (updates)")
         ax.set_ylabel(f"final {metric}")
-        ax.set_title(f"{task}: final {metric} against lag (mean; dots: seeds)")
+        ax.set_title(f"{task}: mean over {len(seeds)} seeds (dots: each seed)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(plot_to, dpi=120)
