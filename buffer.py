@@ -14,6 +14,13 @@ Token ids are stored as int32 to halve the memory and returned as int64.
 
 The ring is filled from slot 0 and slot ``n_added % C`` is overwritten next, so the valid slots
 are always ``0 .. len(buffer) - 1`` and the oldest group is evicted first.
+
+What was found is kept, on request: with ``dedup`` a completion already stored for the same
+prompt is not stored again, and with ``merge_cosine`` c > 0 completions of a prompt whose
+embeddings have cosine >= c are near-duplicates of which only the higher reward is kept. A
+completion left out stays in its group's row with ``keep`` False and counts nowhere (loss,
+metrics, priority); a group with fewer than 2 kept completions teaches trajectory balance
+nothing (log Ẑ is fitted to the group) and is not drawn.
 """
 import math
 from dataclasses import dataclass, fields
@@ -36,6 +43,10 @@ class GroupBatch:
     prompt_index: torch.Tensor  # [B] int64, index of the prompt in the dataset
     behaviour_logp: Optional[torch.Tensor] = None  # [B, K] float32, log μ(y|x) summed over the
                                 # response, under the weights that sampled it (NaN: not recorded)
+    search_temperature: Optional[torch.Tensor] = None  # [B] float32, temperature it was sampled at
+    from_reference: Optional[torch.Tensor] = None  # [B] bool, sampled by the reference model
+    keep: Optional[torch.Tensor] = None  # [B, K] bool, False: a duplicate left out (None: all kept)
+    embedding: Optional[torch.Tensor] = None  # [B, K, D] fresh from a search: the task's embeddings
     order: Optional[torch.Tensor] = None  # [B] int64, insertion order (global counter)
     draws: Optional[torch.Tensor] = None  # [B] int64, times each group has been drawn, this one included
     recent_count: int = 0       # how many of the B slots were drawn from the newest-version pool
@@ -64,25 +75,38 @@ def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
     return torch.where(available, (logits - logits[available].max()).exp(), 0.0)
 
 
-def shared_bytes(capacity, group_size, max_prompt_len, max_response_len):
+def shared_bytes(capacity, group_size, max_prompt_len, max_response_len, embedding_dim=0):
     """Shared memory a ReplayBuffer of this shape takes, to check /dev/shm before making one:
     per group the prompt and K responses (int32), K lengths, rewards, reference and behaviour
-    log-probs, and five int64 counters (prompt length, version, prompt index, order, draws)."""
-    K, P, R = group_size, max_prompt_len, max_response_len
-    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4 + 4) * K + 5 * 8) + 8
+    log-probs, keep flags and embeddings, five int64 counters (prompt length, version, prompt
+    index, order, draws), its temperature and whether the reference sampled it."""
+    K, P, R, D = group_size, max_prompt_len, max_response_len, embedding_dim
+    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4 + 4 + 1 + 4 * D) * K + 5 * 8 + 4 + 1) + 8
 
 
 class ReplayBuffer:
     _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
-               "ref_logp", "behaviour_logp", "version", "prompt_index", "order", "draws")
+               "ref_logp", "behaviour_logp", "keep", "embedding", "version", "prompt_index",
+               "order", "draws", "search_temperature", "from_reference")
+    # What a state written before a field existed gets: (value, what it means).
+    _ADDED = {"behaviour_logp": math.nan,        # not recorded
+              "keep": True,                      # nothing was left out
+              "embedding": 0.0,                  # none (a buffer without merging)
+              "search_temperature": math.nan,    # not recorded
+              "from_reference": False}
 
     def __init__(self, capacity: int, group_size: int, max_prompt_len: int,
-                 max_response_len: int, pad_id: int = 0):
-        C, K, P, R = capacity, group_size, max_prompt_len, max_response_len
+                 max_response_len: int, pad_id: int = 0, dedup: bool = False,
+                 merge_cosine: float = 0.0, embedding_dim: int = 0):
+        C, K, P, R, D = capacity, group_size, max_prompt_len, max_response_len, embedding_dim
         if min(C, K, P, R) < 1:
             raise ValueError("capacity, group_size, max_prompt_len, max_response_len must be >= 1")
+        if merge_cosine and (not 0 < merge_cosine <= 1 or D < 1):
+            raise ValueError(f"merge_cosine must be in (0, 1] with embedding_dim >= 1, got "
+                             f"{merge_cosine} and {D}")
         self.capacity, self.group_size = C, K
         self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
+        self.dedup, self.merge_cosine = dedup, merge_cosine
         self.prompt_ids = torch.full((C, P), pad_id, dtype=torch.int32)       # [C, P]
         self.prompt_len = torch.zeros(C, dtype=torch.int64)                   # [C]
         self.response_ids = torch.full((C, K, R), pad_id, dtype=torch.int32)  # [C, K, R]
@@ -90,10 +114,14 @@ class ReplayBuffer:
         self.reward = torch.zeros(C, K, dtype=torch.float32)                  # [C, K]
         self.ref_logp = torch.zeros(C, K, dtype=torch.float32)                # [C, K]
         self.behaviour_logp = torch.zeros(C, K, dtype=torch.float32)          # [C, K] log μ
+        self.keep = torch.ones(C, K, dtype=torch.bool)                        # [C, K]
+        self.embedding = torch.zeros(C, K, D, dtype=torch.float32)            # [C, K, D], unit
         self.version = torch.full((C,), -1, dtype=torch.int64)                # [C]
         self.prompt_index = torch.full((C,), -1, dtype=torch.int64)           # [C]
         self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C]
         self.draws = torch.zeros(C, dtype=torch.int64)                        # [C] times sampled
+        self.search_temperature = torch.zeros(C, dtype=torch.float32)         # [C]
+        self.from_reference = torch.zeros(C, dtype=torch.bool)                # [C]
         self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] groups ever added
         for name in self._FIELDS + ("n_added",):
             getattr(self, name).share_memory_()
@@ -106,7 +134,7 @@ class ReplayBuffer:
 
     def _available(self, n, min_version, max_reuse):
         """[n] bool: the groups that may still be drawn (fresh enough, not used up)."""
-        available = self.version[:n] >= min_version                            # [n]
+        available = (self.version[:n] >= min_version) & (self.keep[:n].sum(1) >= 2)   # [n]
         if max_reuse:
             available &= self.draws[:n] < max_reuse
         return available
@@ -124,11 +152,14 @@ class ReplayBuffer:
             return int(self.version[:n].max()) if n else None
 
     def add(self, prompt_ids, response_ids, response_len, reward, ref_logp, behaviour_logp,
-            version: int, prompt_index: int) -> None:
+            version: int, prompt_index: int, search_temperature: float = math.nan,
+            from_reference: bool = False, embedding=None) -> int:
         """Add one group. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P; left-padded here).
         ``response_ids``: [K, r], r <= R, right padded; ``response_len``, ``reward``,
-        ``ref_logp``, ``behaviour_logp``: [K]. Tokens past each response's length are
-        overwritten with pad_id."""
+        ``ref_logp``, ``behaviour_logp``: [K]; ``embedding``: [K, D], needed with merging.
+        Tokens past each response's length are overwritten with pad_id.
+        -> how many of its completions were kept (`_new_completions`); below 2 the group is
+        not stored."""
         K, P, R = self.group_size, self.max_prompt_len, self.max_response_len
         prompt = torch.as_tensor(prompt_ids)
         resp = torch.as_tensor(response_ids)
@@ -154,7 +185,14 @@ class ReplayBuffer:
         r_rows = torch.full((K, R), self.pad_id, dtype=torch.int32)           # [K, R]
         r_rows[:, :resp.shape[1]] = resp
         r_rows[torch.arange(R) >= lens[:, None]] = self.pad_id
+        if self.merge_cosine:
+            if embedding is None:
+                raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
+            embedding = torch.nn.functional.normalize(torch.as_tensor(embedding).float(), dim=-1)
         with self._lock:
+            keep = self._new_completions(r_rows, lens, reward, embedding, prompt_index)  # [K]
+            if keep.sum() < 2:
+                return int(keep.sum())
             n = int(self.n_added[0])
             s = n % self.capacity  # the oldest slot once the ring is full
             self.prompt_ids[s] = p_row
@@ -164,11 +202,55 @@ class ReplayBuffer:
             self.reward[s] = reward
             self.ref_logp[s] = ref_logp
             self.behaviour_logp[s] = behaviour_logp
+            self.keep[s] = keep
+            if self.merge_cosine:
+                self.embedding[s] = embedding
             self.version[s] = int(version)
             self.prompt_index[s] = int(prompt_index)
             self.order[s] = n
             self.draws[s] = 0
+            self.search_temperature[s] = search_temperature
+            self.from_reference[s] = from_reference
             self.n_added[0] = n + 1
+        return int(keep.sum())
+
+    def _new_completions(self, r_rows, lens, reward, embedding, prompt_index):
+        """Which of a new group's K completions to keep (called under the lock). -> [K] bool
+
+        dedup: a completion equal (same tokens, same length) to an earlier one of its group, or
+        to a kept one stored for the same prompt, is left out: stored once. merge_cosine c: a
+        completion whose embedding has cosine >= c with kept ones of the same prompt (in its
+        group or stored) is merged with them: the highest reward stays, stored ones included.
+        The stored group in the slot about to be overwritten counts as stored: harmless."""
+        K = self.group_size
+        keep = torch.ones(K, dtype=torch.bool)                                 # [K]
+        n = min(int(self.n_added[0]), self.capacity)
+        same_prompt = (self.prompt_index[:n] == prompt_index).nonzero().flatten()   # [m]
+        if self.dedup:
+            key = torch.cat([lens[:, None].int(), r_rows], 1)                  # [K, R+1]
+            equal = (key[:, None] == key[None]).all(-1)                        # [K, K]
+            keep &= ~equal.tril(-1).any(1)                                     # first copy only
+            stored = torch.cat([self.response_len[same_prompt, :, None].int(),
+                                self.response_ids[same_prompt]], 2)            # [m, K, R+1]
+            seen = (stored[None] == key[:, None, None]).all(-1)                # [K, m, K]
+            keep &= ~(seen & self.keep[same_prompt]).flatten(1).any(1)
+        if self.merge_cosine:
+            stored_keep = self.keep[same_prompt].flatten()                     # [m·K]
+            stored_emb = self.embedding[same_prompt].flatten(0, 1)             # [m·K, D]
+            stored_reward = self.reward[same_prompt].flatten()                 # [m·K]
+            for i in reward.argsort(descending=True).tolist():    # best first, so it stays
+                if not keep[i]:
+                    continue
+                near_new = (embedding @ embedding[i] >= self.merge_cosine) & keep    # [K]
+                near_new[i] = False
+                keep &= ~near_new                                 # worse ones of its group
+                near = (stored_emb @ embedding[i] >= self.merge_cosine) & stored_keep   # [m·K]
+                if near.any() and stored_reward[near].max() >= reward[i]:
+                    keep[i] = False                               # a stored one is as good
+                elif near.any():                                  # it replaces them
+                    stored_keep &= ~near
+                    self.keep[same_prompt] = stored_keep.view(-1, K)
+        return keep
 
     def sample(self, n_groups: int, recent_frac: float, priority_temp: Optional[float] = None,
                generator: Optional[torch.Generator] = None, min_version: int = -1,
@@ -192,7 +274,9 @@ class ReplayBuffer:
                                  + (f" drawn fewer than {max_reuse} times" if max_reuse else ""))
             is_recent = self.version[:n] == self.version[:n].max()             # [n]
             if priority_temp is not None:
-                group_reward = self.reward[:n].double().mean(1)                # [n]
+                kept = self.keep[:n].double()                                  # [n, K]
+                group_reward = ((self.reward[:n].double() * kept).sum(1)
+                                / kept.sum(1).clamp(min=1))                    # [n]
                 priority = priority_weights(group_reward, available, priority_temp)  # [n]
             chosen, recent_count = [], 0
             for _ in range(n_groups):
@@ -222,6 +306,9 @@ class ReplayBuffer:
                 reward=self.reward[idx],
                 ref_logp=self.ref_logp[idx],
                 behaviour_logp=self.behaviour_logp[idx],
+                search_temperature=self.search_temperature[idx],
+                from_reference=self.from_reference[idx],
+                keep=self.keep[idx],
                 version=self.version[idx],
                 prompt_index=self.prompt_index[idx],
                 order=self.order[idx],
@@ -239,9 +326,9 @@ class ReplayBuffer:
         """Restore a `state_dict`, after checking that it could have come from this buffer with
         weights up to `max_version` (the checkpoint's step): a file with the right shapes but
         impossible values would otherwise be trained on, or crash a searcher much later.
-        A state written before behaviour log-probs were recorded gets NaN ones: not known."""
-        if "behaviour_logp" not in state and "ref_logp" in state:
-            state = {**state, "behaviour_logp": torch.full_like(state["ref_logp"], math.nan)}
+        A state written before a field existed gets its `_ADDED` value (NaN: not known)."""
+        state = {**state, **{name: torch.full_like(getattr(self, name), value)
+                             for name, value in self._ADDED.items() if name not in state}}
         for name in self._FIELDS:
             if name not in state:
                 raise ValueError(f"buffer state_dict is missing '{name}'")

@@ -115,6 +115,13 @@ class Config:
     max_new_tokens: int = flag(None, f"longest completion, in tokens {TASK_DEFAULT}", at_least(1))
     temperature: float = flag(None, "sampling temperature, also used to score log-probs "
                                     f"{TASK_DEFAULT}", POSITIVE)
+    # exploration: how the searchers sample (the trainer always scores at --temperature)
+    search_temperature: list = flag(None, "LOW HIGH: sample each group at a temperature drawn "
+                                          "uniformly from [LOW, HIGH] (GFlowNet red-teaming: 0.5 "
+                                          "2.0) instead of --temperature; off by default",
+                                    ((lambda v: 0 < v[0] <= v[1]), "two numbers 0 < LOW <= HIGH"))
+    reference_frac: float = flag(0.0, "share of groups sampled by the frozen reference model "
+                                      "instead of the policy", within(0, 1))
     # the objective
     loss: str = flag("tb", "tb (trajectory balance, valid off-policy); rloo (REINFORCE "
                            "leave-one-out, the on-policy baseline: needs --searchers 0, or "
@@ -183,6 +190,11 @@ class Config:
                               at_least(-1))
     max_reuse: int = flag(None, "train on each group at most this many times, waiting for new "
                                 f"ones if needed (0: no bound) {TASK_DEFAULT}", at_least(0))
+    dedup: bool = flag(False, "store a completion the buffer already holds for its prompt only "
+                              "once (left out of its new group); needs --max-reuse 0")
+    merge_cosine: float = flag(0.0, "redteam: completions of a prompt whose embeddings have "
+                                    "cosine at least this are near-duplicates, of which the "
+                                    "buffer keeps the higher reward (0: off)", within(0, 1))
     # evaluation and output
     eval_every: int = flag(None, f"evaluate every this many steps (0: only at start and end) "
                                  f"{TASK_DEFAULT}", at_least(0))
@@ -236,6 +248,9 @@ def build_parser(with_defaults=True):
         if f.type is bool:               # on/off, or --x/--no-x when the task chooses
             action = "store_true" if f.default is False else argparse.BooleanOptionalAction
             parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
+        elif f.type is list:             # two numbers
+            parser.add_argument(name, type=float, nargs=2, metavar=("LOW", "HIGH"),
+                                default=default, help=help)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.__name__]
             bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
@@ -262,7 +277,8 @@ def parse_args(argv=None):
     return Config(**values), given, actions
 
 
-KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+         list: "two numbers, [LOW, HIGH]"}
 
 
 def read_recipe(path):
@@ -291,7 +307,11 @@ def read_recipe(path):
         kind = fields[name].type
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if type(value) is not kind:
+        pair = isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if kind is list and pair:
+            value = [float(v) for v in value]
+        if type(value) is not kind or (kind is list and not pair):
             raise ValueError(f"{path}: {key} = {value!r} must be {KINDS[kind]}")
         valid = fields[name].metadata["valid"]
         if valid and not passes(valid, value):
@@ -303,7 +323,9 @@ def read_recipe(path):
 def passes(valid, value):
     """A value against its field's rule: NaN and infinities never pass, whatever the rule."""
     test, _ = valid
-    return not (isinstance(value, float) and not math.isfinite(value)) and bool(test(value))
+    numbers = value if isinstance(value, list) else [value]
+    return (not any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
+            and bool(test(value)))
 
 
 def check_ranges(cfg):
@@ -329,6 +351,22 @@ def check_combination(cfg):
         raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
                          "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
                          "to train it off-policy anyway")
+    explores = cfg.search_temperature or cfg.reference_frac
+    if cfg.loss == "rloo" and explores:
+        raise ValueError("--loss rloo is on-policy, but --search-temperature/--reference-frac "
+                         "sample from other distributions: use --loss rloo-is (importance-"
+                         "corrected) or --loss tb")
+    for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
+        if on and not cfg.searchers:
+            raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "
+                             "use --searchers 1 or more, or drop it")
+        if on and cfg.max_reuse:
+            raise ValueError(f"{name} with --max-reuse {cfg.max_reuse}: a buffer that stores "
+                             "what was found once would run out of groups to draw once the "
+                             "searchers find nothing new: use --max-reuse 0")
+    if cfg.merge_cosine and not task.embeds_completions:
+        raise ValueError(f"--merge-cosine needs a task that embeds its completions (redteam), "
+                         f"not {cfg.task}: drop it")
     if cfg.lag and cfg.searchers:
         raise ValueError(f"--lag {cfg.lag} delays the synchronous loop's sampler, but --searchers "
                          f"{cfg.searchers} samples in other processes, as stale as they come: "

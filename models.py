@@ -219,12 +219,14 @@ class StopOnEvent(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
 
 
-class SampledLogprobs(LogitsProcessor):
-    """Records log μ(token) of every sampled token: the log-probs of the distribution that
-    really drew it (these weights, this temperature, the generation's own cache and precision),
-    at no extra forward pass. HF calls a processor with the logits of step t before step t's
-    token is drawn, so each call scores the token drawn after the previous one; `finish` scores
-    the last. Custom processors run before HF's temperature, so the scaling is done here."""
+class SampleAt(LogitsProcessor):
+    """Pure sampling at a temperature per row, recording log μ(token) of every sampled token:
+    the log-probs of the distribution that really drew it (these weights, the row's
+    temperature, the generation's own cache and precision), at no extra forward pass.
+    temperature: a number, or [N, 1], one per generated row (explorative searchers draw one per
+    group). The scaling is done here, HF's own temperature is left at 1: HF has one temperature
+    per call. HF calls a processor with the logits of step t before step t's token is drawn, so
+    each call scores the token drawn after the previous one; `finish` scores the last."""
 
     def __init__(self, temperature):
         self.temperature, self.pending, self.logp = temperature, None, []
@@ -232,7 +234,8 @@ class SampledLogprobs(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.pending is not None:
             self.logp.append(self.pending.gather(1, input_ids[:, -1:]))        # [N, 1]
-        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [N, V]
+        scores = scores / self.temperature                                     # [N, V]
+        self.pending = torch.log_softmax(scores.float(), dim=-1)               # [N, V]
         return scores
 
     def finish(self, new_ids):
@@ -247,12 +250,13 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     """Sample `num_samples` completions for each prompt with HF `generate`.
 
     Pure sampling at `temperature` (top-k, top-p and every other logits processor off), because
-    the trainer scores completions with exactly that distribution. Returns
+    the trainer scores completions with exactly that distribution; `temperature` may also be a
+    [B] tensor, one per prompt (`SampleAt`). Returns
     prompt_ids, prompt_mask [B, P] (left-padded), response_ids [B, n, R] (right-padded) and
     response_len [B, n]: tokens up to and including the first EOS, or R when none came. The
     length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
     `with_logprobs`: also the behaviour log-probs [B, n], log μ(y|x) summed over each response's
-    tokens (`SampledLogprobs`). A set `stop_event` (multiprocessing.Event) ends generation after
+    tokens, at each row's temperature (`SampleAt`). A set `stop_event` (multiprocessing.Event) ends generation after
     the current token, so a searcher told to stop does not finish a long batch first.
 
     Each prompt's keys and values are computed once, not once per sample: all but its last
@@ -273,24 +277,45 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     eos = eos_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos, **({} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)))
+        eos_token_id=eos, **({} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)))
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
-    recorder = SampledLogprobs(temperature)
+    if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
+        temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]
+    sampler = SampleAt(temperature)
     out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
                          attention_mask=mask.repeat_interleave(num_samples, 0),
                          past_key_values=cache, generation_config=config,
                          stopping_criteria=stopping,
-                         logits_processor=LogitsProcessorList([recorder] * with_logprobs))
+                         logits_processor=LogitsProcessorList([] if greedy else [sampler]))
     response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
     is_eos = torch.isin(response_ids, torch.tensor(eos, device=device))       # [B, n, R]
     first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)
     response_len = first_eos + 1                                               # [B, n]
     if not with_logprobs:
         return ids, mask, response_ids, response_len
-    token_logp = recorder.finish(out[:, p:]).view(b, num_samples, -1)          # [B, n, R]
+    token_logp = sampler.finish(out[:, p:]).view(b, num_samples, -1)          # [B, n, R]
     in_response = torch.arange(token_logp.shape[-1], device=device) < response_len[..., None]
     behaviour_logp = torch.where(in_response, token_logp, 0.0).sum(-1)                # [B, n]
     return ids, mask, response_ids, response_len, behaviour_logp
+
+
+def concat_generations(parts, order, pad_id):
+    """The outputs of several `generate(..., with_logprobs=True)` calls as one, row i of the
+    result being row order.argsort()[i] of the parts stacked: prompts re-padded on the left,
+    responses on the right, to the widest.  parts: tuples (prompt_ids, prompt_mask [b, P],
+    response_ids [b, n, R], response_len, behaviour_logp [b, n]); order: [B], the batch row of
+    each stacked row.  -> the same five, [B, ...]"""
+    width = max(part[0].shape[1] for part in parts)
+    length = max(part[2].shape[2] for part in parts)
+    left = lambda t, value: torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+    right = lambda t: torch.nn.functional.pad(t, (0, length - t.shape[2]), value=pad_id)
+    stacked = (torch.cat([left(part[0], pad_id) for part in parts]),            # [B, P]
+               torch.cat([left(part[1], 0) for part in parts]),                 # [B, P]
+               torch.cat([right(part[2]) for part in parts]),                   # [B, n, R]
+               torch.cat([part[3] for part in parts]),                          # [B, n]
+               torch.cat([part[4] for part in parts]))                          # [B, n]
+    back = order.argsort().to(stacked[0].device)
+    return tuple(t[back] for t in stacked)
 
 
 def decode(tokenizer, response_ids, response_len):

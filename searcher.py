@@ -43,23 +43,54 @@ def prompt_batches(prompts, batch_size, seed):
         yield batch
 
 
+def exploration(n_groups, temperature, search_temperature=None, reference_frac=0.0):
+    """How each of n groups is sampled: its temperature, U(LOW, HIGH) per group with
+    `search_temperature` = (LOW, HIGH), else `temperature`; and whether the frozen reference
+    samples it instead of the policy, with probability `reference_frac`. Random draws happen
+    only for what is asked, so a run without exploration samples exactly as before.
+    -> temperatures [n] float32, from_reference [n] bool"""
+    if search_temperature:
+        low, high = search_temperature
+        temperatures = low + (high - low) * torch.rand(n_groups)                 # [n]
+    else:
+        temperatures = torch.full((n_groups,), float(temperature))               # [n]
+    from_reference = (torch.rand(n_groups) < reference_frac if reference_frac
+                      else torch.zeros(n_groups, dtype=torch.bool))              # [n]
+    return temperatures, from_reference
+
+
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
-                  temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0):
+                  temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0,
+                  search_temperature=None, reference_frac=0.0):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
-    The batch carries the behaviour log-probs log μ(y|x) of the weights that sampled it (taken
-    during generation, at `temperature`): what importance weights and the staleness metrics of
+    The batch carries the behaviour log-probs log μ(y|x) of the distribution that sampled it
+    (taken during generation): what importance weights and the staleness metrics of
     `trainer.train_step` need, however old the group is when it is trained on.
+    Exploration (`exploration`): each group may be sampled at its own temperature drawn from
+    `search_temperature` = (LOW, HIGH), and by the reference model with probability
+    `reference_frac`; the batch records both per group. Rewards and reference log-probs do not
+    depend on how a group was sampled: the reference scores at `temperature`, the trainer's.
     Generation and reference scoring run under the trainer's autocast `dtype`; the reference
     scores `score_batch` sequences per forward pass (0: all B·K at once).
     """
     device = next(policy.parameters()).device
-    with models.autocast(device, dtype):
-        prompt_ids, prompt_mask, response_ids, response_len, behaviour_logp = models.generate(
-            policy, tokenizer, [p.ids for p in prompts], num_samples=group_size,
-            max_new_tokens=max_new_tokens, temperature=temperature, stop_event=stop_event,
-            with_logprobs=True)
+    temperatures, from_reference = exploration(len(prompts), temperature, search_temperature,
+                                               reference_frac)                   # [B], [B]
+    parts, order = [], []                # one `generate` call per sampler, then back in order
+    for sampler, rows in ((policy, ~from_reference), (ref_model, from_reference)):
+        if rows.any():
+            with models.autocast(device, dtype):
+                parts.append(models.generate(
+                    sampler, tokenizer, [p.ids for p, r in zip(prompts, rows) if r],
+                    num_samples=group_size, max_new_tokens=max_new_tokens,
+                    temperature=temperatures[rows] if search_temperature else temperature,
+                    stop_event=stop_event, with_logprobs=True))
+            order.append(rows.nonzero().flatten())
+    prompt_ids, prompt_mask, response_ids, response_len, behaviour_logp = (
+        parts[0] if len(parts) == 1 else models.concat_generations(
+            parts, order=torch.cat(order), pad_id=tokenizer.pad_token_id))
     completions = models.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
     reward, info = task.score(repeated, completions)
@@ -70,7 +101,10 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
         version=torch.full((len(prompts),), version, dtype=torch.long),
         prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long),
-        behaviour_logp=behaviour_logp, info=info)
+        behaviour_logp=behaviour_logp, search_temperature=temperatures,
+        from_reference=from_reference, info=info)
+    if isinstance(info, dict) and "embeddings" in info:   # for the buffer's near-duplicate merge
+        batch.embedding = torch.as_tensor(info["embeddings"]).view(len(prompts), group_size, -1)
     n_completions = len(prompts) * group_size
     size = score_batch or n_completions
     with models.autocast(device, dtype):
@@ -78,6 +112,16 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
                     for s in range(0, n_completions, size)]                     # [size] each
     batch.ref_logp = torch.cat(ref_logp).view(len(prompts), group_size)       # [B, K]
     return batch, completions
+
+
+def sampling_metrics(batch):
+    """How a step's groups were sampled: mean temperature and the share the reference sampled."""
+    metrics = {}
+    if batch.search_temperature is not None and not batch.search_temperature.isnan().all():
+        metrics["search_temperature_mean"] = batch.search_temperature.nanmean().item()
+    if batch.from_reference is not None:
+        metrics["from_reference_frac"] = batch.from_reference.float().mean().item()
+    return metrics
 
 
 def die_with_parent():
@@ -135,7 +179,9 @@ class Searcher:
                                  max_new_tokens=self.cfg.max_new_tokens,
                                  temperature=self.cfg.temperature, version=version,
                                  stop_event=stop_event, dtype=self.dtype,
-                                 score_batch=self.score_batch)
+                                 score_batch=self.score_batch,
+                                 search_temperature=self.cfg.search_temperature,
+                                 reference_frac=self.cfg.reference_frac)
         batch = batch.to("cpu")
         info, batch.info = batch.info, None
         report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),
@@ -148,7 +194,10 @@ def add_to_buffer(buffer, prompt_ids, batch):
     for i, ids in enumerate(prompt_ids):
         buffer.add(ids, batch.response_ids[i], batch.response_len[i], batch.reward[i],
                    batch.ref_logp[i], batch.behaviour_logp[i], int(batch.version[i]),
-                   int(batch.prompt_index[i]))
+                   int(batch.prompt_index[i]),
+                   search_temperature=float(batch.search_temperature[i]),
+                   from_reference=bool(batch.from_reference[i]),
+                   embedding=None if batch.embedding is None else batch.embedding[i])
 
 
 def run(rank, cfg, device, threads, buffer, weights, reports, stop):

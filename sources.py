@@ -108,13 +108,15 @@ class InProcess:
             self.sampler, self.ref_model, self.tokenizer, self.task, next(self.batches),
             group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens,
             temperature=self.cfg.temperature, version=sampled,
-            dtype=getattr(torch, self.cfg.dtype), score_batch=self.score_batch)
+            dtype=getattr(torch, self.cfg.dtype), score_batch=self.score_batch,
+            search_temperature=self.cfg.search_temperature, reference_frac=self.cfg.reference_frac)
         self.batches_used += 1
         self.tokens += int(batch.response_len.sum())
         self.groups += len(batch.version)
         self.infos = [batch.info] if batch.info is not None else []
         return batch, {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
-                       "reuse_mean": 1.0, "buffer_groups": 0, "recent_frac_actual": 1.0}
+                       "reuse_mean": 1.0, "buffer_groups": 0, "recent_frac_actual": 1.0,
+                       **searcher.sampling_metrics(batch)}
 
     def publish(self, policy, version):
         return 0.0                        # the searcher *is* the trainer's policy
@@ -196,7 +198,9 @@ class Replay:
         return batch, {"trainer_wait_s": round(wait_s, 4), "search_s": 0.0,
                        "reuse_mean": batch.draws.float().mean().item(),
                        "buffer_groups": len(self.buffer),
-                       "recent_frac_actual": batch.recent_count / len(batch.version)}
+                       "recent_frac_actual": batch.recent_count / len(batch.version),
+                       "kept_frac": batch.keep.float().mean().item(),
+                       **searcher.sampling_metrics(batch)}
 
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
@@ -414,11 +418,13 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     if not cfg.searchers:
         return InProcess(cfg, task, policy, ref_model, tokenizer, prompts)
     longest = max(len(p.ids) for p in prompts)
+    embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
     check_shared_memory((0 if cfg.ray else WeightChannel.bytes_needed(policy))
                         + shared_bytes(cfg.buffer_capacity, cfg.group_size, longest,
-                                       cfg.max_new_tokens))
+                                       cfg.max_new_tokens, embedding_dim))
     buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
-                          tokenizer.pad_token_id)
+                          tokenizer.pad_token_id, dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
+                          embedding_dim=embedding_dim)
     if cfg.ray:
         return RaySearchers(cfg, buffer, layout.threads, interrupt)
     return SearcherProcesses(cfg, buffer, layout.searcher_devices, layout.threads, interrupt)

@@ -174,7 +174,7 @@ def checkpointed(forward, *args, **kwargs):
     return forward(*args, **kwargs)
 
 
-def tb_loss(logp, ref_logp, reward, beta):
+def tb_loss(logp, ref_logp, reward, beta, keep=None):
     """VarGrad trajectory balance towards p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β).
 
         delta_i  = log p_θ(y_i|x) − log p_ref(y_i|x) − r_i / β
@@ -183,28 +183,33 @@ def tb_loss(logp, ref_logp, reward, beta):
 
     All inputs are [B, K]: row b holds the K completions of prompt b. The loss is zero exactly
     when log p_θ − log p_ref − r/β is constant within each group, i.e. when p_θ ∝ p_ref·exp(r/β)
-    on the sampled completions. Any behaviour policy may have produced them: that is why stale
-    and replayed data are fine. Returns (loss, log_z [B]).
+    on the sampled completions. Any behaviour policy may have produced them: that is why stale,
+    replayed and explorative data are fine. `keep` [B, K] bool: only these completions count
+    (the buffer's duplicates are left out), the means taken over them. Returns (loss, log_z [B]).
     """
-    delta = logp - ref_logp - reward / beta                     # [B, K]
-    log_z = -delta.mean(dim=1).detach()                         # [B]
-    loss = (log_z[:, None] + delta).pow(2).mean()               # []
+    keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
+    n = keep.sum(1)                                             # [B]
+    delta = torch.where(keep, logp - ref_logp - reward / beta, 0.0)             # [B, K]
+    log_z = -(delta.sum(1) / n).detach()                        # [B]
+    loss = (torch.where(keep, log_z[:, None] + delta, 0.0).pow(2).sum(1) / n).mean()  # []
     return loss, log_z
 
 
-def rloo_loss(logp, ref_logp, reward, beta, is_weight=None):
+def rloo_loss(logp, ref_logp, reward, beta, is_weight=None, keep=None):
     """REINFORCE leave-one-out: the baseline TB is compared against.
 
     The reward is KL-regularised, r − β·(log p_θ − log p_ref), and each completion's baseline is
     the mean of the other K − 1 in its group. Unbiased only for samples from the current policy;
     `is_weight` [B, K] (`truncated_is_weights`) reweights samples of another policy μ towards it.
+    `keep` [B, K] bool: only these completions count (the buffer's duplicates are left out).
     """
-    k = logp.shape[1]
-    kl_reward = (reward - beta * (logp - ref_logp)).detach()                   # [B, K]
-    baseline = (kl_reward.sum(1, keepdim=True) - kl_reward) / (k - 1)          # [B, K]
-    advantage = kl_reward - baseline                                           # [B, K]
+    keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
+    n = keep.sum(1, keepdim=True)                                              # [B, 1]
+    kl_reward = torch.where(keep, reward - beta * (logp - ref_logp), 0.0).detach()  # [B, K]
+    baseline = (kl_reward.sum(1, keepdim=True) - kl_reward) / (n - 1).clamp(min=1)  # [B, K]
+    advantage = torch.where(keep, kl_reward - baseline, 0.0)                   # [B, K]
     weight = 1.0 if is_weight is None else is_weight.detach()                  # [B, K]
-    return -(weight * advantage * logp).mean()
+    return -((weight * advantage * logp).sum(1, keepdim=True) / n).mean()
 
 
 def truncated_is_weights(logp, behaviour_logp, clip):
@@ -217,13 +222,15 @@ def truncated_is_weights(logp, behaviour_logp, clip):
     return (logp.detach() - behaviour_logp).exp().clamp(max=clip)             # [B, K]
 
 
-def off_policy_metrics(logp, behaviour_logp):
+def off_policy_metrics(logp, behaviour_logp, keep=None):
     """How far the trained data is from the policy being trained, from the sequence log-ratios
     log π/μ of its completions: their mean, and the effective sample size of the weights π/μ
     as a fraction of the completions, ESS/N = (Σw)² / (N·Σw²), 1 when on-policy. Completions
-    without a recorded log μ (NaN) are left out. logp, behaviour_logp: [B, K]     -> dict"""
+    without a recorded log μ (NaN), or not kept, are left out.
+    logp, behaviour_logp: [B, K]; keep: [B, K] bool or None                      -> dict"""
     log_ratio = (logp.detach() - behaviour_logp).flatten()                      # [B·K]
-    log_ratio = log_ratio[~log_ratio.isnan()]                                   # [N]
+    counted = ~log_ratio.isnan() & (True if keep is None else keep.flatten())   # [B·K]
+    log_ratio = log_ratio[counted]                                              # [N]
     if not log_ratio.numel():
         return {}
     # (Σw)² / Σw² in logs, so that large ratios do not overflow
@@ -317,7 +324,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
                                       completions=slice(s, s + size))  # [size]
             if size < n * k:
                 logp = torch.cat([held[:s], logp, held[s + size:]])   # [n·K]
-            extra = {}
+            extra = {} if batch.keep is None else {"keep": batch.keep[part]}
             if loss == "rloo-is":
                 extra["is_weight"] = truncated_is_weights(
                     logp.view(n, k), batch.behaviour_logp[part], is_clip)      # [n, K]
@@ -341,13 +348,14 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     scaler.update()
     scheduler.step()
     logp = torch.cat(logps)                                                    # [B, K]
+    kept = torch.ones_like(logp, dtype=torch.bool) if batch.keep is None else batch.keep  # [B, K]
     return {
         "loss": total_loss,
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
-        "kl": (logp - batch.ref_logp).mean().item(),
-        "reward_mean": batch.reward.mean().item(),
+        "kl": (logp - batch.ref_logp)[kept].mean().item(),
+        "reward_mean": batch.reward[kept].mean().item(),
         "grad_norm": grad_norm.item(),
-        **(off_policy_metrics(logp, batch.behaviour_logp) if batch.behaviour_logp is not None
-           else {}),
+        **(off_policy_metrics(logp, batch.behaviour_logp, batch.keep)
+           if batch.behaviour_logp is not None else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }

@@ -29,6 +29,10 @@ class Task:
     name = ""
     # Does `evaluate` use the reference model? If not, an asynchronous trainer keeps no copy.
     eval_needs_reference = False
+    # Does `score` return an "embeddings" [N, D] info (then `embedding_dim` = D once loaded)?
+    # The replay buffer's near-duplicate merge (--merge-cosine) compares them.
+    embeds_completions = False
+    embedding_dim = 0
     # The fewest --eval-samples its evaluation works with (0: it can evaluate greedily only).
     min_eval_samples = 0
     # Config fields a task chooses when the user leaves them unset (None on the command line).

@@ -64,6 +64,7 @@ def attack_metrics(toxicity, embeddings, prefix):
 
 class RedTeamTask(Task):
     name = "redteam"
+    embeds_completions = True            # the buffer may merge near-duplicate attacks
     # For SmolLM2-135M attacking SmolLM2-135M on a 2-core CPU: 4 prompts × 4 attacks of 20
     # tokens, each answered twice in 16 tokens, take ~14 s a step (8 s to search, 5-8 s to
     # train), so 30 steps and 4 evaluations of 32 attacks fit in ~8 minutes. At the start ~0-6%
@@ -87,6 +88,7 @@ class RedTeamTask(Task):
             trust_remote_code=self.cfg.trust_remote_code)
         self.toxicity = scorers.load_toxicity(self.cfg.toxicity_model, device)
         self.embedder = scorers.load_embedder(scorers.DEFAULT_EMBEDDER, device)
+        self.embedding_dim = int(self.embedder(["an attack"]).shape[-1])
         return super().load_model(device)
 
     def prompts(self, split, tokenizer):

@@ -3,7 +3,7 @@
 Two prompts, a vocabulary of four letters and an end-of-sequence token, and completions of at
 most five tokens: 1,365 possible completions per prompt, few enough to score every one. So the
 policy's whole distribution can be computed, and compared with the exact target of trajectory
-balance,  p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β),  by total variation (`toy/tv`).
+balance,  p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β),  by total variation (`toy/tv`), and how many of the six modes it covers (`toy/modes`).
 
 The reward has separated modes: a completion of exactly four letters scores the fraction of
 positions it shares with the nearest of three mode strings; anything else scores 0. The model is
@@ -67,6 +67,19 @@ def all_completions():
     return ended + [list(p) for p in itertools.product(LETTERS, repeat=MAX_NEW_TOKENS)]
 
 
+def mode_basins(prompt, completions):
+    """[M, n] bool: for each mode of the prompt, the completions within one letter of it (its
+    string and the 12 four-letter completions that differ in one place, rewarded 1 and 0.75).
+    The modes' strings are 3 or more letters apart, so no completion is in two basins."""
+    basins = torch.zeros(len(MODES[prompt]), len(completions), dtype=torch.bool)
+    for m, mode in enumerate(MODES[prompt]):
+        for i, c in enumerate(completions):
+            letters = [t for t in c if t != EOS]
+            basins[m, i] = len(letters) == 4 and sum(
+                a != b for a, b in zip(letters, mode.split())) <= 1
+    return basins
+
+
 @torch.no_grad()
 def exact_logprobs(model, tokenizer, prompt, completions, temperature):
     """log p(y|x) for every completion y: [n]. Sums to one over `all_completions()`."""
@@ -114,10 +127,14 @@ class ToyTask(Task):
 
     def evaluate(self, model, tokenizer, ref_model, step=None):
         completions = all_completions()
-        metrics = {}
+        metrics, covered = {}, 0
         for prompt in MODES:
             policy = exact_logprobs(model, tokenizer, prompt, completions, self.cfg.temperature).exp()
             target = self.target_logprobs(ref_model, tokenizer, prompt, completions).exp()
             metrics[f"toy/tv/{prompt}"] = 0.5 * (policy - target).abs().sum().item()
+            basins = mode_basins(prompt, completions).float()                  # [M, n]
+            # a mode is covered when the policy holds at least half of the target's mass there
+            covered += int((basins @ policy >= 0.5 * (basins @ target)).sum())
         metrics["toy/tv"] = sum(metrics.values()) / len(MODES)
+        metrics["toy/modes"] = covered
         return metrics
