@@ -130,7 +130,7 @@ class Config:
                            "off-policy baseline asynchronous RL trainers ship)",
                      one_of("tb", "rloo", "rloo-is"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
-                                        "groups, although it is an on-policy loss (biased there)")
+                                        "or explorative groups, although it is an on-policy loss")
     is_clip: float = flag(2.0, "rloo-is: C, the largest importance weight π/μ of a completion "
                                "(slime and verl use 2, TBA-prime 8)", POSITIVE)
     beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
@@ -352,10 +352,10 @@ def check_combination(cfg):
                          "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
                          "to train it off-policy anyway")
     explores = cfg.search_temperature or cfg.reference_frac
-    if cfg.loss == "rloo" and explores:
+    if cfg.loss == "rloo" and explores and not cfg.rloo_off_policy:
         raise ValueError("--loss rloo is on-policy, but --search-temperature/--reference-frac "
                          "sample from other distributions: use --loss rloo-is (importance-"
-                         "corrected) or --loss tb")
+                         "corrected) or --loss tb, or add --rloo-off-policy")
     for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
         if on and not cfg.searchers:
             raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "

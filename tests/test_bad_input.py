@@ -91,6 +91,12 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--is-clip", "0"], "--is-clip must be greater than 0 (got 0.0)"),   # no weight at all
     (["--is-clip", "-2"], "--is-clip must be greater than 0"),
     (["--lag", "-1"], "--lag must be at least 0 (got -1)"),
+    (["--search-temperature", "0", "1"], "--search-temperature must be two numbers 0 < LOW <= HIGH"),
+    (["--search-temperature", "2", "1"], "--search-temperature must be two numbers 0 < LOW"),
+    (["--search-temperature", "1"], "argument --search-temperature: expected 2 arguments"),
+    (["--search-temperature", "1", "nan"], "--search-temperature must be two numbers"),
+    (["--reference-frac", "1.5"], "--reference-frac must be in [0, 1]"),
+    (["--merge-cosine", "-0.1"], "--merge-cosine must be in [0, 1]"),
     (["--task", "arith", "--arith-ops", "+/"], "--arith-ops must be made of + - *"),
     (["--task", "arith", "--prompt-style", "fancy"], "--prompt-style must be one of auto, chat"),
     # combinations
@@ -99,6 +105,11 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
     (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),
     (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
+    (["--loss", "rloo", "--searchers", "0", "--reference-frac", "0.2"],
+     "--loss rloo is on-policy, but --search-temperature/--reference-frac sample"),
+    (["--dedup", "--searchers", "0"], "--dedup acts on the replay buffer, and --searchers 0"),
+    (["--dedup"], "--dedup with --max-reuse 4: a buffer that stores what was found once"),
+    (["--merge-cosine", "0.9", "--max-reuse", "0"], "--merge-cosine needs a task that embeds"),
     (["--lag", "2", "--searchers", "1"], "--lag 2 delays the synchronous loop's sampler, but "
                                          "--searchers 1 samples in other processes"),
     (["--ray", "local", "--searchers", "0"], "--ray local runs the searchers as Ray actors, but "

@@ -46,6 +46,14 @@ def test_command_line_overrides_the_recipe(tmp_path):
     assert actions == {"config": str(recipe), "dry_run": False}
 
 
+def test_a_range_flag_from_the_command_line_and_from_a_recipe(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("search-temperature = [1, 1.5]\n")
+    assert config.parse_args(["--config", str(recipe)])[0].search_temperature == [1.0, 1.5]
+    cfg = config.parse_args(["--search-temperature", "0.5", "2"])[0]
+    assert cfg.search_temperature == [0.5, 2.0]
+
+
 BAD_RECIPES = [
     ("unknown key", "task = 'toy'\nbatch-size = 4\n", "unknown key 'batch-size'"),
     ("wrong type", "steps = 'ten'\n", "steps = 'ten' must be an integer"),
@@ -59,6 +67,11 @@ BAD_RECIPES = [
     ("a table", "[optimiser]\nlr = 1e-5\n", "unknown key 'optimiser'"),
     ("set twice", "group-size = 4\ngroup_size = 8\n", "'group_size' is set twice"),
     ("resume in a recipe", "resume = 'runs/x'\n", "unknown key 'resume'"),
+    ("one number for a range", "search-temperature = 1.5\n",
+     "search-temperature = 1.5 must be two numbers, [LOW, HIGH]"),
+    ("three numbers", "search-temperature = [1, 2, 3]\n", "must be two numbers, [LOW, HIGH]"),
+    ("a range upside down", "search-temperature = [2, 1]\n",
+     "search-temperature = [2.0, 1.0] must be two numbers 0 < LOW <= HIGH"),
 ]
 
 
