@@ -15,12 +15,13 @@ Token ids are stored as int32 to halve the memory and returned as int64.
 The ring is filled from slot 0 and slot ``n_added % C`` is overwritten next, so the valid slots
 are always ``0 .. len(buffer) - 1`` and the oldest group is evicted first.
 
-What was found is kept, on request: with ``dedup`` a completion already stored for the same
-prompt is not stored again, and with ``merge_cosine`` c > 0 completions of a prompt whose
-embeddings have cosine >= c are near-duplicates of which only the higher reward is kept. A
-completion left out stays in its group's row with ``keep`` False and counts nowhere (loss,
-metrics, priority); a group with fewer than 2 kept completions teaches trajectory balance
-nothing (log Ẑ is fitted to the group) and is not drawn.
+What was found is kept once, on request: with ``dedup`` a completion of a prompt is stored
+once, its newest copy (an older copy in the buffer is left out, so what the searchers keep
+finding stays in fresh groups instead of ageing out of the ring), and with ``merge_cosine``
+c > 0 completions of a prompt whose embeddings have cosine >= c are near-duplicates of which
+only the higher reward is kept. A completion left out stays in its group's row with ``keep``
+False and counts nowhere (loss, metrics, priority); a group with fewer than 2 kept completions
+teaches trajectory balance nothing (log Ẑ is fitted to the group) and is not drawn.
 """
 import math
 from dataclasses import dataclass, fields
@@ -190,9 +191,11 @@ class ReplayBuffer:
                 raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
             embedding = torch.nn.functional.normalize(torch.as_tensor(embedding).float(), dim=-1)
         with self._lock:
-            keep = self._new_completions(r_rows, lens, reward, embedding, prompt_index)  # [K]
+            keep, slots, stored_keep = self._new_completions(r_rows, lens, reward, embedding,
+                                                             prompt_index)
             if keep.sum() < 2:
                 return int(keep.sum())
+            self.keep[slots] = stored_keep
             n = int(self.n_added[0])
             s = n % self.capacity  # the oldest slot once the ring is full
             self.prompt_ids[s] = p_row
@@ -215,42 +218,44 @@ class ReplayBuffer:
         return int(keep.sum())
 
     def _new_completions(self, r_rows, lens, reward, embedding, prompt_index):
-        """Which of a new group's K completions to keep (called under the lock). -> [K] bool
+        """Which of a new group's K completions to keep, and of the stored ones of its prompt
+        (called under the lock). -> keep [K] bool, slots [m] of the prompt's stored groups,
+        their keep flags [m, K] once this group is stored
 
-        dedup: a completion equal (same tokens, same length) to an earlier one of its group, or
-        to a kept one stored for the same prompt, is left out: stored once. merge_cosine c: a
-        completion whose embedding has cosine >= c with kept ones of the same prompt (in its
-        group or stored) is merged with them: the highest reward stays, stored ones included.
-        The stored group in the slot about to be overwritten counts as stored: harmless."""
+        dedup: a completion equal (same tokens, same length) to an earlier one of its group is
+        left out, and so are the stored copies of the completions it keeps: each is stored
+        once, in its newest group. merge_cosine c: a completion whose embedding has cosine >= c
+        with kept ones of the same prompt (in its group or stored) is merged with them: the
+        highest reward stays, stored ones included. The group in the slot about to be
+        overwritten counts as stored: harmless."""
         K = self.group_size
         keep = torch.ones(K, dtype=torch.bool)                                 # [K]
         n = min(int(self.n_added[0]), self.capacity)
-        same_prompt = (self.prompt_index[:n] == prompt_index).nonzero().flatten()   # [m]
+        slots = (self.prompt_index[:n] == prompt_index).nonzero().flatten()    # [m]
+        stored_keep = self.keep[slots].clone()                                 # [m, K]
         if self.dedup:
             key = torch.cat([lens[:, None].int(), r_rows], 1)                  # [K, R+1]
             equal = (key[:, None] == key[None]).all(-1)                        # [K, K]
             keep &= ~equal.tril(-1).any(1)                                     # first copy only
-            stored = torch.cat([self.response_len[same_prompt, :, None].int(),
-                                self.response_ids[same_prompt]], 2)            # [m, K, R+1]
-            seen = (stored[None] == key[:, None, None]).all(-1)                # [K, m, K]
-            keep &= ~(seen & self.keep[same_prompt]).flatten(1).any(1)
+            stored = torch.cat([self.response_len[slots, :, None].int(),
+                                self.response_ids[slots]], 2)                  # [m, K, R+1]
+            stored_keep &= ~(stored[None] == key[keep, None, None]).all(-1).any(0)
         if self.merge_cosine:
-            stored_keep = self.keep[same_prompt].flatten()                     # [m·K]
-            stored_emb = self.embedding[same_prompt].flatten(0, 1)             # [m·K, D]
-            stored_reward = self.reward[same_prompt].flatten()                 # [m·K]
+            flat_keep = stored_keep.view(-1)                                   # [m·K], a view
+            stored_emb = self.embedding[slots].flatten(0, 1)                   # [m·K, D]
+            stored_reward = self.reward[slots].flatten()                       # [m·K]
             for i in reward.argsort(descending=True).tolist():    # best first, so it stays
                 if not keep[i]:
                     continue
                 near_new = (embedding @ embedding[i] >= self.merge_cosine) & keep    # [K]
                 near_new[i] = False
                 keep &= ~near_new                                 # worse ones of its group
-                near = (stored_emb @ embedding[i] >= self.merge_cosine) & stored_keep   # [m·K]
+                near = (stored_emb @ embedding[i] >= self.merge_cosine) & flat_keep   # [m·K]
                 if near.any() and stored_reward[near].max() >= reward[i]:
                     keep[i] = False                               # a stored one is as good
-                elif near.any():                                  # it replaces them
-                    stored_keep &= ~near
-                    self.keep[same_prompt] = stored_keep.view(-1, K)
-        return keep
+                else:                                             # it replaces them, if any
+                    flat_keep &= ~near
+        return keep, slots, stored_keep
 
     def sample(self, n_groups: int, recent_frac: float, priority_temp: Optional[float] = None,
                generator: Optional[torch.Generator] = None, min_version: int = -1,

@@ -190,8 +190,8 @@ class Config:
                               at_least(-1))
     max_reuse: int = flag(None, "train on each group at most this many times, waiting for new "
                                 f"ones if needed (0: no bound) {TASK_DEFAULT}", at_least(0))
-    dedup: bool = flag(False, "store a completion the buffer already holds for its prompt only "
-                              "once (left out of its new group); needs --max-reuse 0")
+    dedup: bool = flag(False, "store each completion of a prompt once: its newest copy (older "
+                              "copies in the buffer are left out); needs --max-reuse 0")
     merge_cosine: float = flag(0.0, "redteam: completions of a prompt whose embeddings have "
                                     "cosine at least this are near-duplicates, of which the "
                                     "buffer keeps the higher reward (0: off)", within(0, 1))

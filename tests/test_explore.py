@@ -137,16 +137,19 @@ def group(responses, rewards=(0.0, 0.0, 0.0, 0.0), prompt_index=0, **extra):
 
 
 def test_dedup_stores_each_completion_of_a_prompt_once():
+    """Each completion of a prompt is kept once, in its newest group: what the searchers keep
+    finding stays fresh instead of ageing out of the ring."""
     buffer = ReplayBuffer(8, K, P, R, dedup=True)
     assert buffer.add(**group([[5], [5], [6, 1], [6]])) == 3      # the second [5] is left out
-    assert buffer.add(**group([[5], [6, 1], [7], [8]])) == 2      # [5], [6, 1] are stored
-    assert buffer.add(**group([[5], [6], [7], [9]])) == 1         # one new: the group is dropped
-    assert len(buffer) == 2
+    assert buffer.add(**group([[5], [6, 1], [7], [8]])) == 4      # found again: kept here...
+    assert buffer.keep[0].tolist() == [False, False, False, True]  # ...and left out of group 0
+    assert buffer.add(**group([[5], [5], [5], [5]])) == 1         # one completion: not stored,
+    assert buffer.keep[1].tolist() == [True, True, True, True]    # and nothing changes
     assert buffer.add(**group([[5], [6], [7], [8]], prompt_index=1)) == 4   # another prompt
-    batch = buffer.sample(3, recent_frac=0.0)
-    kept = {int(i): k.tolist() for i, k in zip(batch.order, batch.keep)}
-    assert kept == {0: [True, False, True, True], 1: [False, False, True, True],
-                    2: [True, True, True, True]}
+    assert len(buffer) == 3
+    with pytest.raises(ValueError, match="holding 2"):             # group 0 has one left
+        buffer.sample(3, recent_frac=0.0)
+    assert sorted(buffer.sample(2, recent_frac=0.0).order.tolist()) == [1, 2]
     # [5] and [5, 0] are different completions: lengths count, not only tokens
     assert ReplayBuffer(8, K, P, R, dedup=True).add(**group([[5], [5, 0], [5, 0, 0], [0]])) == 4
     # without dedup everything is stored

@@ -70,13 +70,18 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on a machine with one)"))
 
 
-@pytest.mark.parametrize("device, lag", [
-    ("cpu", 0), ("cpu", 3), pytest.param("cuda", 0, marks=CUDA.marks)])
-def test_resume_gives_the_same_run(device, lag, tmp_path, monkeypatch):
+EXPLORE = ["--search-temperature", "0.5", "2", "--reference-frac", "0.3"]
+
+
+@pytest.mark.parametrize("device, extra", [
+    ("cpu", []), ("cpu", ["--lag", "3"]), ("cpu", EXPLORE),
+    pytest.param("cuda", [], marks=CUDA.marks)])
+def test_resume_gives_the_same_run(device, extra, tmp_path, monkeypatch):
     """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: same weights, same metrics. With
-    --lag the old weights the sampler needs next travel in the checkpoint."""
+    --lag the old weights the sampler needs next travel in the checkpoint; with exploration,
+    the random state that draws each group's temperature and sampler."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    args = [*TOY, "--device", device, "--lag", str(lag)]
+    args = [*TOY, "--device", device, *extra]
     assert tba.main([*args, "--out", str(straight)]) == 0
     with monkeypatch.context() as patch:
         stop_after(patch, 4)

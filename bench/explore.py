@@ -1,0 +1,184 @@
+"""Exploration: what searchers that sample from other distributions than the policy buy.
+
+    python bench/explore.py toy                  # the toy settings below, seeds 0 1 2
+    python bench/explore.py redteam --lanes 2    # two runs at a time, each pinned to its own core
+    python bench/explore.py toy --report-only    # the table of what has finished
+
+Every run is `python tba.py --task TASK --seed S` plus a setting's flags. Toy (exact: final
+toy/tv, lower is better, and toy/modes, the modes of six where the policy holds at least half
+the target's mass), at a fixed β = 0.07, where on-policy sampling loses modes, and at the
+task's annealed default:
+  tb                 on-policy trajectory balance, the synchronous loop
+  tb-explore         the same loop, each group sampled at a temperature drawn from [1, 2] and
+                     a quarter of the groups by the frozen reference model
+  tb-explore-replay  one searcher exploring so; half of each batch from the newest groups,
+                     half replayed by reward (--recent-frac 0.5 --priority-temp 0.25, as
+                     GFlowNet red-teaming's 50/50), each completion stored once (--dedup)
+  rloo               on-policy RLOO, synchronous
+  rloo-explore       RLOO on the explorative groups, uncorrected (--rloo-off-policy): at one β
+                     its update is TB's up to a constant factor, on any batch
+  rloo-is-explore    RLOO with truncated importance weights on the explorative groups
+Red-teaming (final evaluation, and the distinct successful attacks among all generated):
+  rloo               on-policy RLOO at β 0.01, the strongest on-policy setting measured before
+                     (RESULTS.md); at the task's β 0.1 it is the same run as on-policy TB
+  tb-explore         the synchronous loop, each group at a temperature drawn from [0.7, 1.4]
+                     (the task samples at 0.7; GFlowNet red-teaming draws from [0.5, 2] at 1)
+  tb-explore-replay  one searcher exploring so; half of each batch replayed by reward
+                     (--priority-temp 1 on the mean log-toxicity), near-duplicate attacks
+                     (cosine >= 0.9, the task's own threshold for a distinct success) merged
+
+A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
+again; `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
+its trainer and searcher share that core). Trained models are deleted after each run.
+"""
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIXED_BETA = ["--beta", "0.07", "--beta-final", "0.07", "--beta-steps", "0"]
+EXPLORE = ["--search-temperature", "1", "2", "--reference-frac", "0.25"]
+REPLAY = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "0.25", "--dedup",
+          "--max-reuse", "0"]
+SETTINGS = {
+    "toy": {
+        "fixed/tb": [*FIXED_BETA, "--searchers", "0"],
+        "fixed/tb-explore": [*FIXED_BETA, "--searchers", "0", *EXPLORE],
+        "fixed/tb-explore-replay": [*FIXED_BETA, *EXPLORE, *REPLAY],
+        "fixed/rloo": [*FIXED_BETA, "--searchers", "0", "--loss", "rloo"],
+        "fixed/rloo-explore": [*FIXED_BETA, "--searchers", "0", "--loss", "rloo",
+                               "--rloo-off-policy", *EXPLORE],
+        "fixed/rloo-is-explore": [*FIXED_BETA, "--searchers", "0", "--loss", "rloo-is", *EXPLORE],
+        "annealed/tb": ["--searchers", "0"],
+        "annealed/tb-explore": ["--searchers", "0", *EXPLORE],
+    },
+    "redteam": {
+        "rloo": ["--searchers", "0", "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"],
+        "tb-explore": ["--searchers", "0", "--search-temperature", "0.7", "1.4"],
+        "tb-explore-replay": ["--searchers", "1", "--search-temperature", "0.7", "1.4",
+                              "--recent-frac", "0.5", "--priority-temp", "1",
+                              "--merge-cosine", "0.9", "--max-reuse", "0"],
+    },
+}
+METRICS = {"toy": ("toy/tv", "toy/modes"),
+           "redteam": ("eval/success_rate", "eval/diversity", "redteam/unique_successes")}
+
+
+def folder(runs, setting, seed):
+    return runs / f"{setting.replace('/', '-')}-s{seed}"
+
+
+def read(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r for r in rows if "loss" in r], [r for r in rows if "loss" not in r]
+
+
+def finished(run_dir, steps):
+    if not (run_dir / "metrics.jsonl").is_file():
+        return False
+    train, evals = read(run_dir)
+    return bool(evals) and evals[-1]["step"] == steps and bool(train) and train[-1]["step"] == steps
+
+
+def command(task, flags, seed, out, core=None):
+    pin = ["taskset", "-c", str(core)] if core is not None else []
+    return [*pin, sys.executable, "tba.py", "--task", task, "--seed", str(seed), "--save-every",
+            "0", "--device", "cpu", "--quiet", *flags, "--out", str(out)]
+
+
+def run_all(task, todo, lanes):
+    todo, running = list(todo), {}
+    while todo or running:
+        for lane in range(lanes):
+            if lane not in running and todo:
+                setting, seed, out = todo.pop(0)
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True)
+                log = open(out.parent / f"{out.name}.log", "w")
+                print(f"start {out.name}" + (f" on core {lane}" if lanes > 1 else ""), flush=True)
+                flags = SETTINGS[task][setting]
+                running[lane] = (subprocess.Popen(
+                    command(task, flags, seed, out, lane if lanes > 1 else None), cwd=REPO,
+                    stdout=log, stderr=subprocess.STDOUT), out, log)
+        time.sleep(2)
+        for lane, (proc, out, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[lane]
+                print(f"done {out.name}: exit {proc.returncode}", flush=True)
+                shutil.rmtree(out / "final", ignore_errors=True)
+
+
+def summary(values, digits=3):
+    if not values:
+        return "–"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return (f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} "
+            f"[{min(values):.{digits}f}–{max(values):.{digits}f}] (n={len(values)})")
+
+
+def at_least(rows, key, value, metric):
+    """The metric in the first training row whose `key` reaches `value` (None if none does)."""
+    return next((r.get(metric) for r in rows if r[key] >= value), None)
+
+
+def report(task, runs, seeds, steps):
+    metrics = METRICS[task]
+    print(f"\n{task}: final evaluation, {len(seeds)} seeds, mean ± sd [min–max]\n")
+    print("| setting | " + " | ".join(metrics) + " | modes 6 (seeds) | samples | wall s |")
+    print("|---|" + "---|" * (len(metrics) + 3))
+    data = {}
+    for setting in SETTINGS[task]:
+        done = [folder(runs, setting, s) for s in seeds if finished(folder(runs, setting, s), steps)]
+        if not done:
+            continue
+        data[setting] = [read(d) for d in done]
+        finals = {m: [next(e[m] for e in reversed(ev) if m in e) if any(m in e for e in ev)
+                      else t[-1][m] for t, ev in data[setting]] for m in metrics}
+        full = (sum(v == 6 for v in finals["toy/modes"]) if "toy/modes" in finals else "–")
+        print(f"| {setting} | " + " | ".join(summary(finals[m]) for m in metrics)
+              + f" | {full} | {data[setting][0][0][-1]['samples']} | "
+              f"{summary([t[-1]['time'] for t, _ in data[setting]], 0)} |")
+    if task == "redteam" and data:
+        # Attacks generated: a one-searcher run generates more than it trains on.
+        generated = min(t[-1]["gen_groups"] for runs_ in data.values() for t, _ in runs_)
+        wall = min(t[-1]["time"] for runs_ in data.values() for t, _ in runs_)
+        print(f"\nunique successful attacks at equal groups generated ({generated}) and at "
+              f"equal wall time ({wall:.0f} s):\n")
+        print("| setting | at equal generated | at equal wall time |\n|---|---|---|")
+        for setting, runs_ in data.items():
+            gen = [at_least(t, "gen_groups", generated, "redteam/unique_successes") or 0
+                   for t, _ in runs_]
+            clock = [at_least(t, "time", wall, "redteam/unique_successes") or 0 for t, _ in runs_]
+            print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("task", choices=sorted(SETTINGS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--settings", nargs="+", help="default: all of the task's")
+    parser.add_argument("--lanes", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--runs", type=Path, help="default: runs/bench-explore-TASK")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    runs = args.runs or REPO / "runs" / f"bench-explore-{args.task}"
+    sys.path.insert(0, str(REPO))
+    import tasks
+    steps = tasks.task_class(args.task).defaults["steps"]
+    chosen = args.settings or list(SETTINGS[args.task])
+    todo = [(setting, seed, folder(runs, setting, seed)) for seed in args.seeds
+            for setting in chosen]
+    todo = [t for t in todo if not finished(t[2], steps)]
+    if not args.report_only:
+        run_all(args.task, todo, args.lanes)
+    report(args.task, runs, args.seeds, steps)
+
+
+if __name__ == "__main__":
+    main()
