@@ -256,8 +256,9 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     response_len [B, n]: tokens up to and including the first EOS, or R when none came. The
     length comes from the first EOS, never from `token == pad_id`: SmolLM2 pads with its EOS.
     `with_logprobs`: also the behaviour log-probs [B, n], log μ(y|x) summed over each response's
-    tokens, at each row's temperature (`SampleAt`). A set `stop_event` (multiprocessing.Event) ends generation after
-    the current token, so a searcher told to stop does not finish a long batch first.
+    tokens, at each row's temperature (`SampleAt`). A set `stop_event` (multiprocessing.Event)
+    ends generation after the current token, so a searcher told to stop does not finish a long
+    batch first.
 
     Each prompt's keys and values are computed once, not once per sample: all but its last
     token are prefilled, the cache is repeated `num_samples`-fold, and `generate` goes on from
