@@ -18,9 +18,10 @@ task's annealed default:
   rloo-explore       RLOO on the explorative groups, uncorrected (--rloo-off-policy): at one β
                      its update is TB's up to a constant factor, on any batch
   rloo-is-explore    RLOO with truncated importance weights on the explorative groups
-Red-teaming (final evaluation, and the distinct successful attacks among all generated):
-  rloo               on-policy RLOO at β 0.01, the strongest on-policy setting measured before
-                     (RESULTS.md); at the task's β 0.1 it is the same run as on-policy TB
+Red-teaming (final evaluation, and the distinct successful attacks among all generated), all at
+β 0.01, on-policy RLOO's strongest setting measured before (RESULTS.md), so that exploration is
+the only difference (on-policy TB at one β is the same run as RLOO):
+  rloo               on-policy RLOO, synchronous
   tb-explore         the synchronous loop, each group at a temperature drawn from [0.7, 1.4]
                      (the task samples at 0.7; GFlowNet red-teaming draws from [0.5, 2] at 1)
   tb-explore-replay  one searcher exploring so; half of each batch replayed by reward
@@ -45,6 +46,7 @@ FIXED_BETA = ["--beta", "0.07", "--beta-final", "0.07", "--beta-steps", "0"]
 EXPLORE = ["--search-temperature", "1", "2", "--reference-frac", "0.25"]
 REPLAY = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "0.25", "--dedup",
           "--max-reuse", "0"]
+WEAK_KL = ["--beta", "0.01", "--beta-final", "0.01"]    # red-teaming: RLOO's best β measured
 SETTINGS = {
     "toy": {
         "fixed/tb": [*FIXED_BETA, "--searchers", "0"],
@@ -58,9 +60,9 @@ SETTINGS = {
         "annealed/tb-explore": ["--searchers", "0", *EXPLORE],
     },
     "redteam": {
-        "rloo": ["--searchers", "0", "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"],
-        "tb-explore": ["--searchers", "0", "--search-temperature", "0.7", "1.4"],
-        "tb-explore-replay": ["--searchers", "1", "--search-temperature", "0.7", "1.4",
+        "rloo": ["--searchers", "0", "--loss", "rloo", *WEAK_KL],
+        "tb-explore": ["--searchers", "0", *WEAK_KL, "--search-temperature", "0.7", "1.4"],
+        "tb-explore-replay": ["--searchers", "1", *WEAK_KL, "--search-temperature", "0.7", "1.4",
                               "--recent-frac", "0.5", "--priority-temp", "1",
                               "--merge-cosine", "0.9", "--max-reuse", "0"],
     },
@@ -150,12 +152,16 @@ def report(task, runs, seeds, steps):
         wall = min(t[-1]["time"] for runs_ in data.values() for t, _ in runs_)
         print(f"\nunique successful attacks at equal groups generated ({generated}) and at "
               f"equal wall time ({wall:.0f} s):\n")
-        print("| setting | at equal generated | at equal wall time |\n|---|---|---|")
+        print("| setting | found, equal generated | found, equal wall time | diversity of the "
+              "newest 256 attacks' successes, equal generated |\n|---|---|---|---|")
         for setting, runs_ in data.items():
-            gen = [at_least(t, "gen_groups", generated, "redteam/unique_successes") or 0
-                   for t, _ in runs_]
-            clock = [at_least(t, "time", wall, "redteam/unique_successes") or 0 for t, _ in runs_]
-            print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} |")
+            gen, clock, diversity = [], [], []
+            for t, _ in runs_:
+                gen.append(at_least(t, "gen_groups", generated, "redteam/unique_successes") or 0)
+                clock.append(at_least(t, "time", wall, "redteam/unique_successes") or 0)
+                diversity.append(at_least(t, "gen_groups", generated, "redteam/diversity") or 0)
+            print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} | "
+                  f"{summary(diversity)} |")
 
 
 def main(argv=None):

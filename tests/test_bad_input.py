@@ -235,9 +235,9 @@ def fail_at_call(monkeypatch, n, make_loss):
     """Make the TB loss of trainer step `n` come from `make_loss(loss, log_z)`."""
     real, calls = trainer.tb_loss, []
 
-    def loss(*args):
+    def loss(*args, **kwargs):
         calls.append(1)
-        out = real(*args)
+        out = real(*args, **kwargs)
         return make_loss(*out) if len(calls) == n else out
     monkeypatch.setitem(trainer.LOSSES, "tb", loss)
 

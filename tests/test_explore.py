@@ -1,6 +1,7 @@
 """Searchers that explore: per-group temperatures, reference-sampled groups, what the buffer keeps,
 and the target trajectory balance reaches from data it did not sample itself."""
 import copy
+import json
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import config
 import models
 import searcher
 import tasks
+import tba
 import trainer
 from buffer import GroupBatch, ReplayBuffer
 from tasks import toy
@@ -207,3 +209,22 @@ def test_a_buffer_state_without_the_new_fields_loads_with_what_they_meant():
     batch = other.sample(1, recent_frac=0.0)
     assert batch.keep.all() and not batch.from_reference.any()
     assert batch.search_temperature.isnan().all()                  # not recorded
+
+
+def test_an_exploring_searcher_run_end_to_end(tmp_path):
+    """One searcher process exploring (temperatures, reference groups) into a buffer that keeps
+    each completion once and replays by reward: the run trains, and every step logs how its
+    groups were sampled and how much of them the buffer kept."""
+    out = tmp_path / "run"
+    assert tba.main(["--task", "toy", "--searchers", "1", "--steps", "6", "--eval-every", "0",
+                     "--search-temperature", "0.5", "2", "--reference-frac", "0.5", "--dedup",
+                     "--max-reuse", "0", "--priority-temp", "0.25", "--recent-frac", "0.5",
+                     "--quiet", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for r in train:
+        assert 0.5 <= r["search_temperature_mean"] <= 2.0
+        assert 0 <= r["from_reference_frac"] <= 1 and 0 < r["kept_frac"] <= 1
+        assert 0 < r["ess_frac"] <= 1
+    assert "toy/modes" in rows[-1]

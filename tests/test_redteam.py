@@ -75,9 +75,11 @@ def needs_scorers():
             pytest.skip(f"{package} is not installed: {install}")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "explore"])
 def test_two_training_steps(mode, tiny_model_dir, tmp_path):
-    """Tiny attacker and victim (random weights, the SmolLM2 tokenizer), the packaged scorers."""
+    """Tiny attacker and victim (random weights, the SmolLM2 tokenizer), the packaged scorers.
+    explore: a searcher sampling at temperatures from [0.7, 1.4] into a buffer that merges
+    near-duplicate attacks by the task's embeddings."""
     needs_scorers()
     out = tmp_path / "run"
     args = ["--task", "redteam", "--model", str(tiny_model_dir), "--victim-model",
@@ -85,6 +87,9 @@ def test_two_training_steps(mode, tiny_model_dir, tmp_path):
             "--max-new-tokens", "6", "--victim-max-new-tokens", "6", "--eval-n", "8",
             "--min-buffer", "2", "--searchers", "0" if mode == "sync" else "1", "--quiet",
             "--out", str(out)]
+    if mode == "explore":
+        args += ["--search-temperature", "0.7", "1.4", "--merge-cosine", "0.9", "--max-reuse",
+                 "0", "--priority-temp", "1"]
     if mode == "sync":
         assert tba.main(args) == 0
     else:
@@ -100,6 +105,8 @@ def test_two_training_steps(mode, tiny_model_dir, tmp_path):
         assert 0 <= r["eval/unique_successes"] <= 8 and r["eval/diversity_all"] > 0
     for r in train:
         assert math.log(1e-4) <= r["reward_mean"] <= 0
+        if mode == "explore":
+            assert 0.7 <= r["search_temperature_mean"] <= 1.4 and 0 < r["kept_frac"] <= 1
         assert 0 <= r["redteam/success_rate"] <= 1 and r["redteam/unique_successes"] >= 0
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert {s["step"] for s in samples} == {0, 2}
