@@ -226,16 +226,18 @@ class SampleAt(LogitsProcessor):
     temperature: a number, or [N, 1], one per generated row (explorative searchers draw one per
     group). The scaling is done here, HF's own temperature is left at 1: HF has one temperature
     per call. HF calls a processor with the logits of step t before step t's token is drawn, so
-    each call scores the token drawn after the previous one; `finish` scores the last."""
+    each call scores the token drawn after the previous one; `finish` scores the last.
+    `record` False: only the scaling (no log-softmax per token)."""
 
-    def __init__(self, temperature):
-        self.temperature, self.pending, self.logp = temperature, None, []
+    def __init__(self, temperature, record=True):
+        self.temperature, self.record, self.pending, self.logp = temperature, record, None, []
 
     def __call__(self, input_ids, scores):
-        if self.pending is not None:
-            self.logp.append(self.pending.gather(1, input_ids[:, -1:]))        # [N, 1]
         scores = scores / self.temperature                                     # [N, V]
-        self.pending = torch.log_softmax(scores.float(), dim=-1)               # [N, V]
+        if self.record:
+            if self.pending is not None:
+                self.logp.append(self.pending.gather(1, input_ids[:, -1:]))    # [N, 1]
+            self.pending = torch.log_softmax(scores.float(), dim=-1)           # [N, V]
         return scores
 
     def finish(self, new_ids):
@@ -282,7 +284,7 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
     if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
         temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]
-    sampler = SampleAt(temperature)
+    sampler = SampleAt(temperature, record=with_logprobs)
     out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
                          attention_mask=mask.repeat_interleave(num_samples, 0),
                          past_key_values=cache, generation_config=config,

@@ -33,13 +33,10 @@ again; `--lanes 2` runs two at once with `taskset`, one core each (a one-searche
 its trainer and searcher share that core). Trained models are deleted after each run.
 """
 import argparse
-import json
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from lag import finished, read, run_all, summary     # the lag bench's runner and report
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_BETA = ["--beta", "0.07", "--beta-final", "0.07", "--beta-steps", "0"]
@@ -73,55 +70,6 @@ METRICS = {"toy": ("toy/tv", "toy/modes"),
 
 def folder(runs, setting, seed):
     return runs / f"{setting.replace('/', '-')}-s{seed}"
-
-
-def read(run_dir):
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return [r for r in rows if "loss" in r], [r for r in rows if "loss" not in r]
-
-
-def finished(run_dir, steps):
-    if not (run_dir / "metrics.jsonl").is_file():
-        return False
-    train, evals = read(run_dir)
-    return bool(evals) and evals[-1]["step"] == steps and bool(train) and train[-1]["step"] == steps
-
-
-def command(task, flags, seed, out, core=None):
-    pin = ["taskset", "-c", str(core)] if core is not None else []
-    return [*pin, sys.executable, "tba.py", "--task", task, "--seed", str(seed), "--save-every",
-            "0", "--device", "cpu", "--quiet", *flags, "--out", str(out)]
-
-
-def run_all(task, todo, lanes):
-    todo, running = list(todo), {}
-    while todo or running:
-        for lane in range(lanes):
-            if lane not in running and todo:
-                setting, seed, out = todo.pop(0)
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir(parents=True)
-                log = open(out.parent / f"{out.name}.log", "w")
-                print(f"start {out.name}" + (f" on core {lane}" if lanes > 1 else ""), flush=True)
-                flags = SETTINGS[task][setting]
-                running[lane] = (subprocess.Popen(
-                    command(task, flags, seed, out, lane if lanes > 1 else None), cwd=REPO,
-                    stdout=log, stderr=subprocess.STDOUT), out, log)
-        time.sleep(2)
-        for lane, (proc, out, log) in list(running.items()):
-            if proc.poll() is not None:
-                log.close()
-                del running[lane]
-                print(f"done {out.name}: exit {proc.returncode}", flush=True)
-                shutil.rmtree(out / "final", ignore_errors=True)
-
-
-def summary(values, digits=3):
-    if not values:
-        return "–"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return (f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} "
-            f"[{min(values):.{digits}f}–{max(values):.{digits}f}] (n={len(values)})")
 
 
 def at_least(rows, key, value, metric):
@@ -178,11 +126,11 @@ def main(argv=None):
     import tasks
     steps = tasks.task_class(args.task).defaults["steps"]
     chosen = args.settings or list(SETTINGS[args.task])
-    todo = [(setting, seed, folder(runs, setting, seed)) for seed in args.seeds
-            for setting in chosen]
-    todo = [t for t in todo if not finished(t[2], steps)]
+    todo = [(["--task", args.task, "--seed", str(seed), *SETTINGS[args.task][setting]],
+             folder(runs, setting, seed)) for seed in args.seeds for setting in chosen]
+    todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
-        run_all(args.task, todo, args.lanes)
+        run_all(todo, args.lanes)
     report(args.task, runs, args.seeds, steps)
 
 

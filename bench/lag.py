@@ -60,26 +60,28 @@ def finished(run_dir, steps):
     return bool(evals) and evals[-1]["step"] == steps and len(train) == steps
 
 
-def command(task, loss, lag, seed, out, core=None):
-    pin = ["taskset", "-c", str(core)] if core is not None else []
-    return [*pin, sys.executable, "tba.py", "--task", task, "--searchers", "0", "--lag", str(lag),
-            "--loss", loss, "--seed", str(seed), "--save-every", "0", "--device", "cpu",
-            "--quiet", *TASKS[task]["flags"], "--out", str(out)]
+def flags(task, loss, lag, seed):
+    return ["--task", task, "--searchers", "0", "--lag", str(lag), "--loss", loss, "--seed",
+            str(seed), *TASKS[task]["flags"]]
 
 
-def run_all(task, todo, lanes):
-    """Run each (loss, lag, seed, out) not yet finished, `lanes` at a time."""
+def run_all(todo, lanes):
+    """Run `python tba.py FLAGS --out OUT` for each (FLAGS, OUT) of `todo`, `lanes` at a time
+    (each on its own core with `taskset` when 2), without checkpoints; the trained model and
+    --lag's weight files are deleted when a run ends. Also used by bench/explore.py."""
     todo, running = list(todo), {}                     # lane -> (Popen, out, log)
     while todo or running:
         for lane in range(lanes):
             if lane not in running and todo:
-                loss, lag, seed, out = todo.pop(0)
+                run_flags, out = todo.pop(0)
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir(parents=True)
                 log = open(out.parent / f"{out.name}.log", "w")
                 print(f"start {out.name}" + (f" on core {lane}" if lanes > 1 else ""), flush=True)
+                pin = ["taskset", "-c", str(lane)] if lanes > 1 else []
                 running[lane] = (subprocess.Popen(
-                    command(task, loss, lag, seed, out, lane if lanes > 1 else None),
+                    [*pin, sys.executable, "tba.py", *run_flags, "--save-every", "0",
+                     "--device", "cpu", "--quiet", "--out", str(out)],
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT), out, log)
         time.sleep(2)
         for lane, (proc, out, log) in list(running.items()):
@@ -173,11 +175,11 @@ def main(argv=None):
             source, target = args.reuse / f"tba-sync-s{seed}", folder(runs, "tb", 0, seed)
             if finished(source, steps) and not finished(target, steps):
                 shutil.copytree(source, target, dirs_exist_ok=True)
-    todo = [(loss, lag, seed, folder(runs, loss, lag, seed))
+    todo = [(flags(args.task, loss, lag, seed), folder(runs, loss, lag, seed))
             for lag in spec["lags"] for seed in args.seeds for loss in spec["losses"]]
-    todo = [t for t in todo if not finished(t[3], steps)]
+    todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
-        run_all(args.task, todo, args.lanes)
+        run_all(todo, args.lanes)
     report(args.task, runs, args.seeds, steps, args.plot)
 
 
