@@ -1,56 +1,63 @@
-"""Replay buffer of groups (one prompt, K completions) shared between processes.
+"""Replay buffer of completions, shared between processes; groups are formed when drawn.
+
+What TBA's reference code and GFlowNet red-teaming do, and a ring of whole groups cannot: keep
+what the search found, completion by completion, and train on it again and again.
+- `add` stores each completion of a searched group in a slot of its own (`_store_one`), beside
+  the other completions of the same prompt: an exact duplicate is stored once (`dedup`), a
+  near-duplicate (embeddings with cosine >= `merge_cosine`) only if it is better.
+- When the buffer, or the prompt's share of it (`per_prompt`), is full, a completion is evicted
+  (`_victim`): the oldest (``evict="oldest"``) or the lowest reward (``"lowest"``, GFlowNet
+  style: the best attacks stay however old they are).
+- `sample` forms each trained group at draw time (`_draw_group`): it picks a prompt, then up to K
+  of its completions: with probability m among the newest weights' (recency), otherwise by reward
+  (a softmax at `priority_temp`) or uniformly. A group may mix weight versions and temperatures:
+  each completion carries its own behaviour log-prob and version.
 
 Searchers run in processes started with the ``spawn`` method; the trainer runs in the main
-process. Every field lives in a fixed-size torch tensor moved to shared memory
-(``share_memory_()``), so passing the buffer to ``Process(args=(buffer,))`` sends only handles
-to the same storage: a group is written once, in place, and never pickled per step.
-One lock guards every field and the write counter, so a reader copying a batch out never sees
-a half-written ("torn") group, and two writers never claim the same slot.
+process. Every field is a fixed-size tensor moved to shared memory (``share_memory_()``), so
+``Process(args=(buffer,))`` sends only handles to the same storage; one lock guards every
+field, so a reader never sees a half-written completion and two writers never claim one slot.
 
-Layout (C = capacity, K = group_size, P = max_prompt_len, R = max_response_len):
-prompts are LEFT padded (the tokens end at column P), responses RIGHT padded, and masks are
-derived from stored lengths, never from ``token == pad_id`` (pad and EOS may be the same id).
-Token ids are stored as int32 to halve the memory and returned as int64.
-
-The ring is filled from slot 0 and slot ``n_added % C`` is overwritten next, so the valid slots
-are always ``0 .. len(buffer) - 1`` and the oldest group is evicted first.
-
-What was found is kept once, on request: with ``dedup`` a completion of a prompt is stored
-once, its newest copy (an older copy in the buffer is left out, so what the searchers keep
-finding stays in fresh groups instead of ageing out of the ring), and with ``merge_cosine``
-c > 0 completions of a prompt whose embeddings have cosine >= c are near-duplicates of which
-only the higher reward is kept. A completion left out stays in its group's row with ``keep``
-False and counts nowhere (loss, metrics, priority); a group with fewer than 2 kept completions
-teaches trajectory balance nothing (log Ẑ is fitted to the group) and is not drawn.
+Layout (C = capacity in completions, N = prompts of the dataset, P = max_prompt_len,
+R = max_response_len, D = embedding_dim): a prompt table [N, P] indexed by the prompt's index,
+LEFT padded; completion slots [C, R], RIGHT padded. Masks come from stored lengths, never from
+``token == pad_id`` (pad and EOS may be the same id). Token ids are int32, returned as int64.
+A slot is empty when its prompt index is -1. A completion the frozen reference sampled has
+version `REFERENCE` (-1): it is of no policy version, so it is never "recent", never stale, and
+counts in no staleness.
 """
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
+
+REFERENCE = -1      # the version of a completion sampled by the frozen reference model
 
 
 @dataclass
 class GroupBatch:
-    """B groups copied out of the buffer; widths trimmed to the longest prompt / response."""
+    """B groups of up to K completions, widths trimmed to the longest prompt / response.
+    A group drawn with fewer than K completions is padded: `keep` is False there."""
     prompt_ids: torch.Tensor    # [B, P'] int64, left padded
     prompt_mask: torch.Tensor   # [B, P'] int64, 1 on prompt tokens
     response_ids: torch.Tensor  # [B, K, R'] int64, right padded
     response_len: torch.Tensor  # [B, K] int64, response tokens incl. the EOS that ended it
     reward: torch.Tensor        # [B, K] float32
     ref_logp: torch.Tensor      # [B, K] float32, sum of reference log-probs over the response
-    version: torch.Tensor       # [B] int64, weight version that generated the group
+    version: torch.Tensor       # [B, K] int64, weight version that sampled it (REFERENCE: -1)
     prompt_index: torch.Tensor  # [B] int64, index of the prompt in the dataset
     behaviour_logp: Optional[torch.Tensor] = None  # [B, K] float32, log μ(y|x) summed over the
                                 # response, under the weights that sampled it (NaN: not recorded)
-    search_temperature: Optional[torch.Tensor] = None  # [B] float32, temperature it was sampled at
-    from_reference: Optional[torch.Tensor] = None  # [B] bool, sampled by the reference model
-    keep: Optional[torch.Tensor] = None  # [B, K] bool, False: a duplicate left out (None: all kept)
+    search_temperature: Optional[torch.Tensor] = None  # [B, K] float32, temperature it was sampled at
+    from_reference: Optional[torch.Tensor] = None  # [B, K] bool, sampled by the reference model
+    keep: Optional[torch.Tensor] = None  # [B, K] bool, False: no completion there (None: all real)
     embedding: Optional[torch.Tensor] = None  # [B, K, D] fresh from a search: the task's embeddings
-    order: Optional[torch.Tensor] = None  # [B] int64, insertion order (global counter)
-    draws: Optional[torch.Tensor] = None  # [B] int64, times each group has been drawn, this one included
-    recent_count: int = 0       # how many of the B slots were drawn from the newest-version pool
+    order: Optional[torch.Tensor] = None  # [B, K] int64, insertion order (global counter)
+    draws: Optional[torch.Tensor] = None  # [B, K] int64, times drawn, this one included
+    recent_count: int = 0       # how many of the B groups were drawn from the newest-version pool
     info: object = None         # fresh from a search (never in the buffer): the task's `score` info
 
     def to(self, device) -> "GroupBatch":
@@ -58,268 +65,394 @@ class GroupBatch:
         return GroupBatch(**{name: v.to(device) if isinstance(v, torch.Tensor) else v
                              for name, v in values.items()})
 
+    def kept(self) -> torch.Tensor:
+        """[B, K] bool: the completions that are really there, to train on and count."""
+        return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep
 
-def pick(weights, generator=None) -> int:
-    """One index drawn with probability ∝ weights (float64, >= 0), by inverting the CDF:
-    a tenth of the cost of torch.multinomial on a 10,000-group buffer."""
-    cdf = weights.cumsum(0)                                                    # [n]
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=len(cdf) - 1))
+
+def pick(weights, rng, cdf=None):
+    """One index drawn with probability ∝ weights ([n] float64 >= 0, NumPy) by inverting their
+    CDF; `rng`: a NumPy Generator. `cdf`: the cumulative sum of earlier weights of which some
+    have since been set to 0: a draw that lands on one of those is drawn again (rejection
+    sampling gives exactly the renormalised distribution, without a new cumulative sum), and
+    after a few misses the CDF is rebuilt. -> (index, the CDF to pass next time)"""
+    for attempt in range(8):
+        if cdf is None or attempt == 7:
+            cdf = np.cumsum(weights)                                           # [n]
+        i = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+        if weights[i] > 0:
+            return i, cdf
 
 
 def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
-    """Softmax numerators exp(reward / priority_temp) of the available groups, 0 for the others.
-    Shifted so that the best available group weighs exactly 1: nothing overflows, and however
-    small priority_temp is, the weights of what is left never all underflow to 0.
-    group_reward: [n] float64 mean reward of each group; available: [n] bool.      -> [n]"""
+    """Softmax numerators exp(reward / priority_temp) of the available entries, 0 for the
+    others. Shifted so that the best available one weighs exactly 1: nothing overflows, and
+    however small priority_temp is, the weights of what is left never all underflow to 0.
+    group_reward: [n] float64 mean reward of each prompt's completions; available: [n] bool. -> [n]"""
     logits = group_reward / priority_temp                                      # [n]
     return torch.where(available, (logits - logits[available].max()).exp(), 0.0)
 
 
-def shared_bytes(capacity, group_size, max_prompt_len, max_response_len, embedding_dim=0):
+def draw_without_replacement(log_weights, k, rng):
+    """k distinct indices drawn one after another with probability ∝ exp(log_weights) among
+    those not drawn yet (Plackett-Luce), all at once: the top k of log_weights + Gumbel noise.
+    log_weights: [n] float64, NumPy (all 0: a uniform draw); rng: a NumPy Generator. -> [min(k, n)]"""
+    keys = log_weights + rng.gumbel(size=len(log_weights))                     # [n]
+    return np.argsort(-keys, kind="stable")[:k]
+
+
+def groups_in(counts, group_size) -> int:
+    """How many groups of at most K and at least 2 completions `counts` [N] completions per
+    prompt make, drawn K at a time (what `sample` can always draw)."""
+    return int((counts // group_size + (counts % group_size >= 2)).sum())
+
+
+def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embedding_dim=0):
     """Shared memory a ReplayBuffer of this shape takes, to check /dev/shm before making one:
-    per group the prompt and K responses (int32), K lengths, rewards, reference and behaviour
-    log-probs, keep flags and embeddings, five int64 counters (prompt length, version, prompt
-    index, order, draws), its temperature and whether the reference sampled it."""
-    K, P, R, D = group_size, max_prompt_len, max_response_len, embedding_dim
-    return capacity * (4 * P + 4 * K * R + (8 + 4 + 4 + 4 + 1 + 4 * D) * K + 5 * 8 + 4 + 1) + 8
+    the prompt table (int32 tokens, a length) and per completion its tokens (int32), reward,
+    reference and behaviour log-probs, temperature and embedding (float32), and five int64
+    numbers (length, version, prompt index, order, draws)."""
+    P, R, D = max_prompt_len, max_response_len, embedding_dim
+    return n_prompts * (4 * P + 8) + capacity * (4 * R + 4 * (4 + D) + 5 * 8) + 8
+
+
+class Pool:
+    """What a draw may take (NumPy, under the buffer's lock): the completions (`mask` [C]), how
+    many of them each prompt has (`count` [N]), and each prompt's weight [N]: uniform, or
+    ∝ exp(mean reward / priority_temp) with `prompt_reward`; 0 with fewer than 2 left.
+    A drawn-out prompt's weight goes to 0 and the rest keep theirs, only renormalised: a
+    Plackett-Luce draw of prompts."""
+
+    def __init__(self, mask, count, prompt_reward=None, priority_temp=None):
+        self.mask, self.count = mask, count                                    # [C], [N]
+        self.prompt_reward, self.priority_temp = prompt_reward, priority_temp  # [N] or None
+        self.weight, self.cdf = None, None                                     # [N], [N]
+        self.reweigh()
+
+    def reweigh(self):
+        if self.prompt_reward is None:
+            self.weight = (self.count >= 2).astype(np.float64)
+        else:
+            self.weight = priority_weights(torch.from_numpy(self.prompt_reward),
+                                           torch.from_numpy(self.count >= 2),
+                                           self.priority_temp).numpy()
+        self.cdf = None
+
+    def pick_prompt(self, rng) -> int:
+        if not self.weight.any():        # all that is left underflowed: shift again
+            self.reweigh()
+        prompt, self.cdf = pick(self.weight, rng, self.cdf)
+        return prompt
+
+    def take(self, prompt, slots):
+        """Completions `slots` [k] of `prompt` were drawn: out of this pool."""
+        self.count[prompt] -= self.mask[slots].sum()
+        self.mask[slots] = False
+        if self.count[prompt] < 2:
+            self.weight[prompt] = 0.0
 
 
 class ReplayBuffer:
-    _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward",
-               "ref_logp", "behaviour_logp", "keep", "embedding", "version", "prompt_index",
-               "order", "draws", "search_temperature", "from_reference")
-    # What a state written before a field existed gets: (value, what it means).
-    _ADDED = {"behaviour_logp": math.nan,        # not recorded
-              "keep": True,                      # nothing was left out
-              "embedding": 0.0,                  # none (a buffer without merging)
-              "search_temperature": math.nan,    # not recorded
-              "from_reference": False}
+    _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward", "ref_logp",
+               "behaviour_logp", "embedding", "version", "prompt_index", "order", "draws",
+               "search_temperature")
 
     def __init__(self, capacity: int, group_size: int, max_prompt_len: int,
-                 max_response_len: int, pad_id: int = 0, dedup: bool = False,
-                 merge_cosine: float = 0.0, embedding_dim: int = 0):
-        C, K, P, R, D = capacity, group_size, max_prompt_len, max_response_len, embedding_dim
-        if min(C, K, P, R) < 1:
-            raise ValueError("capacity, group_size, max_prompt_len, max_response_len must be >= 1")
+                 max_response_len: int, n_prompts: int, pad_id: int = 0, per_prompt: int = 0,
+                 evict: str = "oldest", dedup: bool = False, merge_cosine: float = 0.0,
+                 embedding_dim: int = 0):
+        """capacity: completions held in all; per_prompt: at most this many of one prompt
+        (0: no bound but the capacity); group_size: K, the most completions a drawn group has."""
+        C, K, P, R, N, D = (capacity, group_size, max_prompt_len, max_response_len, n_prompts,
+                            embedding_dim)
+        if min(C, K, P, R, N) < 1:
+            raise ValueError("capacity, group_size, max_prompt_len, max_response_len, n_prompts "
+                             "must be >= 1")
+        if evict not in ("oldest", "lowest"):
+            raise ValueError(f"evict must be 'oldest' or 'lowest', got {evict!r}")
+        if per_prompt < 0 or 0 < per_prompt < 2:
+            raise ValueError(f"per_prompt must be 0 (no bound) or >= 2, got {per_prompt}")
         if merge_cosine and (not 0 < merge_cosine <= 1 or D < 1):
             raise ValueError(f"merge_cosine must be in (0, 1] with embedding_dim >= 1, got "
                              f"{merge_cosine} and {D}")
-        self.capacity, self.group_size = C, K
+        self.capacity, self.group_size, self.n_prompts = C, K, N
         self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
+        self.per_prompt, self.evict = per_prompt or C, evict
         self.dedup, self.merge_cosine = dedup, merge_cosine
-        self.prompt_ids = torch.full((C, P), pad_id, dtype=torch.int32)       # [C, P]
-        self.prompt_len = torch.zeros(C, dtype=torch.int64)                   # [C]
-        self.response_ids = torch.full((C, K, R), pad_id, dtype=torch.int32)  # [C, K, R]
-        self.response_len = torch.zeros(C, K, dtype=torch.int64)              # [C, K]
-        self.reward = torch.zeros(C, K, dtype=torch.float32)                  # [C, K]
-        self.ref_logp = torch.zeros(C, K, dtype=torch.float32)                # [C, K]
-        self.behaviour_logp = torch.zeros(C, K, dtype=torch.float32)          # [C, K] log μ
-        self.keep = torch.ones(C, K, dtype=torch.bool)                        # [C, K]
-        self.embedding = torch.zeros(C, K, D, dtype=torch.float32)            # [C, K, D], unit
-        self.version = torch.full((C,), -1, dtype=torch.int64)                # [C]
-        self.prompt_index = torch.full((C,), -1, dtype=torch.int64)           # [C]
-        self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C]
-        self.draws = torch.zeros(C, dtype=torch.int64)                        # [C] times sampled
+        self.prompt_ids = torch.full((N, P), pad_id, dtype=torch.int32)       # [N, P]
+        self.prompt_len = torch.zeros(N, dtype=torch.int64)                   # [N] 0: not seen
+        self.response_ids = torch.full((C, R), pad_id, dtype=torch.int32)     # [C, R]
+        self.response_len = torch.zeros(C, dtype=torch.int64)                 # [C]
+        self.reward = torch.zeros(C, dtype=torch.float32)                     # [C]
+        self.ref_logp = torch.zeros(C, dtype=torch.float32)                   # [C]
+        self.behaviour_logp = torch.zeros(C, dtype=torch.float32)             # [C] log μ
+        self.embedding = torch.zeros(C, D, dtype=torch.float32)               # [C, D], unit
+        self.version = torch.zeros(C, dtype=torch.int64)                      # [C]
+        self.prompt_index = torch.full((C,), -1, dtype=torch.int64)           # [C] -1: empty
+        self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C] when stored
+        self.draws = torch.zeros(C, dtype=torch.int64)                        # [C] times drawn
         self.search_temperature = torch.zeros(C, dtype=torch.float32)         # [C]
-        self.from_reference = torch.zeros(C, dtype=torch.bool)                # [C]
-        self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] groups ever added
+        self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] ever stored
         for name in self._FIELDS + ("n_added",):
             getattr(self, name).share_memory_()
         # A spawn-context lock pickles into processes started with the spawn method.
         self._lock = mp.get_context("spawn").Lock()
 
     def __len__(self) -> int:
+        """Completions stored."""
         with self._lock:
-            return min(int(self.n_added[0]), self.capacity)
+            return int((self.prompt_index >= 0).sum())
 
-    def _available(self, n, min_version, max_reuse):
-        """[n] bool: the groups that may still be drawn (fresh enough, not used up)."""
-        available = (self.version[:n] >= min_version) & (self.keep[:n].sum(1) >= 2)   # [n]
+    # Selection runs in NumPy, on views of the shared tensors (`.numpy()` shares their memory):
+    # on 50,000 completions its masks and searches cost a seventh of torch's per call.
+
+    def _available(self, min_version, max_reuse):
+        """[C] bool (NumPy): the completions that may be drawn: stored, fresh enough (a
+        reference sample is never stale), not used up."""
+        index, version = self.prompt_index.numpy(), self.version.numpy()
+        available = (index >= 0) & ((version >= min_version) | (version == REFERENCE))   # [C]
         if max_reuse:
-            available &= self.draws[:n] < max_reuse
+            available &= self.draws.numpy() < max_reuse
         return available
 
+    def _counts(self, mask):
+        """[N] (NumPy) how many of the completions in `mask` [C] each prompt has."""
+        return np.bincount(self.prompt_index.numpy()[mask], minlength=self.n_prompts)
+
     def count(self, min_version: int = -1, max_reuse: int = 0) -> int:
-        """Number of groups that ``sample`` could draw with the same bounds."""
+        """Number of groups that ``sample`` can draw at least, with the same bounds."""
         with self._lock:
-            n = min(int(self.n_added[0]), self.capacity)
-            return int(self._available(n, min_version, max_reuse).sum())
+            return groups_in(self._counts(self._available(min_version, max_reuse)),
+                             self.group_size)
 
     def newest_version(self) -> Optional[int]:
-        """Highest weight version present in the buffer (None when empty)."""
+        """Highest policy weight version stored (None when there is none)."""
         with self._lock:
-            n = min(int(self.n_added[0]), self.capacity)
-            return int(self.version[:n].max()) if n else None
+            policy = (self.prompt_index >= 0) & (self.version != REFERENCE)
+            return int(self.version[policy].max()) if policy.any() else None
+
+    # --- store ---------------------------------------------------------------------------------
 
     def add(self, prompt_ids, response_ids, response_len, reward, ref_logp, behaviour_logp,
-            version: int, prompt_index: int, search_temperature: float = math.nan,
-            from_reference: bool = False, embedding=None) -> int:
-        """Add one group. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P; left-padded here).
-        ``response_ids``: [K, r], r <= R, right padded; ``response_len``, ``reward``,
-        ``ref_logp``, ``behaviour_logp``: [K]; ``embedding``: [K, D], needed with merging.
-        Tokens past each response's length are overwritten with pad_id.
-        -> how many of its completions were kept (`_new_completions`); below 2 the group is
-        not stored."""
-        K, P, R = self.group_size, self.max_prompt_len, self.max_response_len
+            version, prompt_index: int, search_temperature=math.nan, embedding=None) -> int:
+        """Store a searched group's completions. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P);
+        ``response_ids``: [k, r], r <= R, right padded; ``response_len``, ``reward``,
+        ``ref_logp``, ``behaviour_logp``: [k]; ``version``, ``search_temperature``: one
+        number or [k] (version REFERENCE: sampled by the reference); ``embedding``: [k, D],
+        needed with merging. Tokens past each response's length are stored as pad_id.
+        -> how many completions were stored (dedup, merging and eviction may leave some out)"""
+        P, R = self.max_prompt_len, self.max_response_len
         prompt = torch.as_tensor(prompt_ids)
         resp = torch.as_tensor(response_ids)
+        k = resp.shape[0] if resp.dim() == 2 else -1
         lens = torch.as_tensor(response_len, dtype=torch.int64)
-        reward = torch.as_tensor(reward, dtype=torch.float32)
-        ref_logp = torch.as_tensor(ref_logp, dtype=torch.float32)
-        behaviour_logp = torch.as_tensor(behaviour_logp, dtype=torch.float32)
-        if prompt.dim() != 1 or prompt.numel() > P:
-            raise ValueError(f"prompt_ids must be 1-D unpadded with length <= max_prompt_len={P}, "
-                             f"got shape {tuple(prompt.shape)}")
-        if resp.dim() != 2 or resp.shape[0] != K or resp.shape[1] > R:
-            raise ValueError(f"response_ids must be [group_size={K}, r] with r <= "
+
+        def each(value, dtype):               # [k]; one number is every completion's
+            value = torch.as_tensor(value, dtype=dtype)
+            return value.expand(max(k, 0)) if value.dim() == 0 else value
+        per_completion = {"reward": each(reward, torch.float32),
+                          "ref_logp": each(ref_logp, torch.float32),
+                          "behaviour_logp": each(behaviour_logp, torch.float32),
+                          "version": each(version, torch.int64),
+                          "search_temperature": each(search_temperature, torch.float32)}
+        if prompt.dim() != 1 or not 1 <= prompt.numel() <= P:
+            raise ValueError(f"prompt_ids must be 1-D unpadded with length in [1, "
+                             f"max_prompt_len={P}], got shape {tuple(prompt.shape)}")
+        if k < 1 or resp.shape[1] > R:
+            raise ValueError(f"response_ids must be [k, r] with k >= 1 and r <= "
                              f"max_response_len={R}, got shape {tuple(resp.shape)}")
-        for name, t in (("response_len", lens), ("reward", reward), ("ref_logp", ref_logp),
-                        ("behaviour_logp", behaviour_logp)):
-            if t.shape != (K,):
-                raise ValueError(f"{name} must have shape [{K}], got {tuple(t.shape)}")
-        if lens.min() < 0 or lens.max() > resp.shape[1]:
-            raise ValueError(f"response_len must lie in [0, {resp.shape[1]}], got {lens.tolist()}")
+        for name, t in (("response_len", lens), *per_completion.items()):
+            if t.shape != (k,):
+                raise ValueError(f"{name} must have shape [{k}], got {tuple(t.shape)}")
+        if lens.min() < 1 or lens.max() > resp.shape[1]:
+            raise ValueError(f"response_len must lie in [1, {resp.shape[1]}], got {lens.tolist()}")
+        if not 0 <= prompt_index < self.n_prompts:
+            raise ValueError(f"prompt_index must be in [0, n_prompts={self.n_prompts}), got "
+                             f"{prompt_index}")
+        if self.merge_cosine and embedding is None:
+            raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
         # Build the padded rows outside the lock; only the copy into shared memory is locked.
         p_row = torch.full((P,), self.pad_id, dtype=torch.int32)              # [P]
         p_row[P - prompt.numel():] = prompt
-        r_rows = torch.full((K, R), self.pad_id, dtype=torch.int32)           # [K, R]
+        r_rows = torch.full((k, R), self.pad_id, dtype=torch.int32)           # [k, R]
         r_rows[:, :resp.shape[1]] = resp
         r_rows[torch.arange(R) >= lens[:, None]] = self.pad_id
         if self.merge_cosine:
-            if embedding is None:
-                raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
             embedding = torch.nn.functional.normalize(torch.as_tensor(embedding).float(), dim=-1)
+        stored = 0
         with self._lock:
-            keep, slots, stored_keep = self._new_completions(r_rows, lens, reward, embedding,
-                                                             prompt_index)
-            if keep.sum() < 2:
-                return int(keep.sum())
-            self.keep[slots] = stored_keep
-            n = int(self.n_added[0])
-            s = n % self.capacity  # the oldest slot once the ring is full
-            self.prompt_ids[s] = p_row
-            self.prompt_len[s] = prompt.numel()
-            self.response_ids[s] = r_rows
-            self.response_len[s] = lens
-            self.reward[s] = reward
-            self.ref_logp[s] = ref_logp
-            self.behaviour_logp[s] = behaviour_logp
-            self.keep[s] = keep
-            if self.merge_cosine:
-                self.embedding[s] = embedding
-            self.version[s] = int(version)
-            self.prompt_index[s] = int(prompt_index)
-            self.order[s] = n
-            self.draws[s] = 0
-            self.search_temperature[s] = search_temperature
-            self.from_reference[s] = from_reference
-            self.n_added[0] = n + 1
-        return int(keep.sum())
+            self.prompt_ids[prompt_index], self.prompt_len[prompt_index] = p_row, prompt.numel()
+            for i in per_completion["reward"].argsort(descending=True, stable=True).tolist():
+                completion = {name: t[i] for name, t in per_completion.items()}   # best first:
+                stored += self._store_one(prompt_index, r_rows[i], lens[i], completion,  # it stays
+                                          None if embedding is None else embedding[i])
+        return stored
 
-    def _new_completions(self, r_rows, lens, reward, embedding, prompt_index):
-        """Which of a new group's K completions to keep, and of the stored ones of its prompt
-        (called under the lock). -> keep [K] bool, slots [m] of the prompt's stored groups,
-        their keep flags [m, K] once this group is stored
+    def _store_one(self, prompt_index, tokens, length, completion, embedding) -> bool:
+        """Store one completion (under the lock). -> whether it was stored
 
-        dedup: a completion equal (same tokens, same length) to an earlier one of its group is
-        left out, and so are the stored copies of the completions it keeps: each is stored
-        once, in its newest group. merge_cosine c: a completion whose embedding has cosine >= c
-        with kept ones of the same prompt (in its group or stored) is merged with them: the
-        highest reward stays, stored ones included. The group in the slot about to be
-        overwritten counts as stored: harmless."""
-        K = self.group_size
-        keep = torch.ones(K, dtype=torch.bool)                                 # [K]
-        n = min(int(self.n_added[0]), self.capacity)
-        slots = (self.prompt_index[:n] == prompt_index).nonzero().flatten()    # [m]
-        stored_keep = self.keep[slots].clone()                                 # [m, K]
+        dedup: an exact copy of a stored completion of the prompt replaces it in place (the
+        newest copy is kept, with its own version and log μ). merge_cosine: if stored
+        completions of the prompt are near it, the best of them is kept if it is at least as
+        good, and counts as found again (its age is renewed, so "oldest" eviction cannot take
+        what keeps being rediscovered); else they all make way for it."""
+        mine = torch.from_numpy(np.flatnonzero(self.prompt_index.numpy() == prompt_index))  # [m]
+        slot = None
         if self.dedup:
-            key = torch.cat([lens[:, None].int(), r_rows], 1)                  # [K, R+1]
-            equal = (key[:, None] == key[None]).all(-1)                        # [K, K]
-            keep &= ~equal.tril(-1).any(1)                                     # first copy only
-            stored = torch.cat([self.response_len[slots, :, None].int(),
-                                self.response_ids[slots]], 2)                  # [m, K, R+1]
-            stored_keep &= ~(stored[None] == key[keep, None, None]).all(-1).any(0)
+            same = mine[(self.response_len[mine] == length)
+                        & (self.response_ids[mine] == tokens).all(1)]          # [0 or 1]
+            slot = int(same[0]) if len(same) else None
+        if slot is None and self.merge_cosine:
+            is_near = self.embedding[mine] @ embedding >= self.merge_cosine    # [m]
+            near = mine[is_near]
+            if len(near):
+                best = int(near[self.reward[near].argmax()])
+                if self.reward[best] >= completion["reward"]:
+                    self.order[best] = self._next_order()
+                    return False
+                self.prompt_index[near] = -1                                   # made way
+                mine = mine[~is_near]
+        if slot is None:
+            slot = self._victim(mine, completion["reward"])
+            if slot is None:
+                return False
+        self.response_ids[slot], self.response_len[slot] = tokens, length
+        for name, value in completion.items():
+            getattr(self, name)[slot] = value
         if self.merge_cosine:
-            flat_keep = stored_keep.view(-1)                                   # [m·K], a view
-            stored_emb = self.embedding[slots].flatten(0, 1)                   # [m·K, D]
-            stored_reward = self.reward[slots].flatten()                       # [m·K]
-            for i in reward.argsort(descending=True).tolist():    # best first, so it stays
-                if not keep[i]:
-                    continue
-                near_new = (embedding @ embedding[i] >= self.merge_cosine) & keep    # [K]
-                near_new[i] = False
-                keep &= ~near_new                                 # worse ones of its group
-                near = (stored_emb @ embedding[i] >= self.merge_cosine) & flat_keep   # [m·K]
-                if near.any() and stored_reward[near].max() >= reward[i]:
-                    keep[i] = False                               # a stored one is as good
-                else:                                             # it replaces them, if any
-                    flat_keep &= ~near
-        return keep, slots, stored_keep
+            self.embedding[slot] = embedding
+        self.prompt_index[slot], self.order[slot] = prompt_index, self._next_order()
+        self.draws[slot] = 0
+        return True
+
+    def _next_order(self) -> int:
+        n = int(self.n_added[0])
+        self.n_added[0] = n + 1
+        return n
+
+    def _victim(self, mine, reward) -> Optional[int]:
+        """The slot a new completion of reward `reward` goes to (under the lock): a free one,
+        or one whose completion is evicted. `mine` [m]: the slots of its prompt. A prompt at
+        `per_prompt` evicts one of its own; a full buffer evicts the oldest of all ("oldest"),
+        or ("lowest") the lowest reward of the prompt holding the most. Among equal rewards the
+        oldest goes. -> None when "lowest" finds the new one worse than all its prompt holds."""
+        index = self.prompt_index.numpy()                                      # [C]
+        own = len(mine) >= self.per_prompt
+        if not own and (index < 0).any():
+            return int((index < 0).argmax())                                   # the first free
+        if own:
+            candidates = mine
+        elif self.evict == "oldest":
+            candidates = torch.from_numpy(np.flatnonzero(index >= 0))
+        else:
+            largest = self._counts(index >= 0).argmax()
+            own = largest == self.prompt_index[mine[0]] if len(mine) else False
+            candidates = torch.from_numpy(np.flatnonzero(index == largest))
+        if self.evict == "lowest":
+            lowest = self.reward[candidates].min()
+            if own and reward < lowest:
+                return None
+            candidates = candidates[self.reward[candidates] == lowest]
+        return int(candidates[self.order[candidates].argmin()])
+
+    # --- draw ----------------------------------------------------------------------------------
 
     def sample(self, n_groups: int, recent_frac: float, priority_temp: Optional[float] = None,
                generator: Optional[torch.Generator] = None, min_version: int = -1,
                max_reuse: int = 0) -> GroupBatch:
-        """Draw ``n_groups`` distinct groups. Slot by slot: with probability ``recent_frac`` a
-        uniform pick among not-yet-chosen groups of the newest version; otherwise (or when that
-        pool is used up) a pick among all not-yet-chosen groups, uniform or, with
-        ``priority_temp``, with probability ∝ exp(mean group reward / priority_temp).
-        Groups older than ``min_version`` are never drawn (a bound on staleness), nor, when
-        ``max_reuse`` > 0, groups already drawn that many times (a bound on replay)."""
+        """Draw ``n_groups`` groups of up to K completions, no completion twice (two groups may
+        share a prompt). Group by group (`_draw_group`): with probability ``recent_frac`` a
+        prompt with at least 2 completions of the newest policy version stored, uniformly, and
+        up to K of those; otherwise (or when there is no such prompt) a prompt with at least 2
+        completions left, uniformly or, with ``priority_temp``, with probability ∝ exp(mean
+        reward of its completions / priority_temp), and up to K of its completions, uniformly
+        or ∝ exp(reward / priority_temp). Completions older than ``min_version`` are never
+        drawn (a bound on staleness; reference samples are of no version), nor, when
+        ``max_reuse`` > 0, ones already drawn that many times (a bound on replay)."""
         if not 0.0 <= recent_frac <= 1.0:
             raise ValueError(f"recent_frac must be in [0, 1], got {recent_frac}")
         if priority_temp is not None and priority_temp <= 0:
             raise ValueError(f"priority_temp must be > 0, got {priority_temp}")
-        with self._lock:  # held for selection and copy: the chosen groups cannot change meanwhile
-            n = min(int(self.n_added[0]), self.capacity)
-            available = self._available(n, min_version, max_reuse)            # [n]
-            if not 1 <= n_groups <= int(available.sum()):
-                raise ValueError(f"cannot sample {n_groups} distinct groups from a buffer "
-                                 f"holding {int(available.sum())} of version >= {min_version}"
+        with self._lock:  # held for selection and copy: the chosen completions cannot change
+            available = self._available(min_version, max_reuse)                # [C]
+            left = self._counts(available)                                     # [N]
+            if not 1 <= n_groups <= groups_in(left, self.group_size):
+                raise ValueError(f"cannot sample {n_groups} groups from a buffer holding "
+                                 f"{groups_in(left, self.group_size)} of version >= "
+                                 f"{min_version}"
                                  + (f" drawn fewer than {max_reuse} times" if max_reuse else ""))
-            is_recent = self.version[:n] == self.version[:n].max()             # [n]
+            index, version = self.prompt_index.numpy(), self.version.numpy()   # [C], [C]
+            policy = (index >= 0) & (version != REFERENCE)                     # [C]
+            newest = version[policy].max() if policy.any() else REFERENCE - 1
+            recent_mask = available & (version == newest)                      # [C]
+            prompt_reward = None
             if priority_temp is not None:
-                kept = self.keep[:n].double()                                  # [n, K]
-                group_reward = ((self.reward[:n].double() * kept).sum(1)
-                                / kept.sum(1).clamp(min=1))                    # [n]
-                priority = priority_weights(group_reward, available, priority_temp)  # [n]
-            chosen, recent_count = [], 0
+                reward = np.where(available, self.reward.numpy(), 0.0)         # [C]
+                prompt_reward = np.bincount(index.clip(0), weights=reward,
+                                            minlength=self.n_prompts) / np.maximum(left, 1)
+            everything = Pool(available, left, prompt_reward, priority_temp)
+            recent = Pool(recent_mask, self._counts(recent_mask))
+            # One draw from the caller's torch generator seeds this sample's NumPy generator:
+            # the draws are as reproducible (and resumable) as the torch generator's state, at
+            # a microsecond each instead of torch's tens.
+            rng = np.random.default_rng(int(torch.randint(2**62, (), generator=generator)))
+            groups, recent_count = [], 0
             for _ in range(n_groups):
-                pool = available & is_recent
-                if torch.rand((), generator=generator) < recent_frac and pool.any():
-                    weights, recent_count = pool.double(), recent_count + 1
-                elif priority_temp is None:
-                    weights = available.double()
-                else:  # taking groups out only renormalises the rest (Plackett-Luce)...
-                    if priority.sum() == 0:  # ...unless all that is left underflowed: re-shift
-                        priority = priority_weights(group_reward, available, priority_temp)
-                    weights = priority
-                i = pick(weights, generator)
-                available[i] = False
-                if priority_temp is not None:
-                    priority[i] = 0.0                                          # drawn: out
-                chosen.append(i)
-            idx = torch.tensor(chosen)                                         # [B]
-            self.draws[idx] += 1
-            p_len, r_len = self.prompt_len[idx], self.response_len[idx]        # [B], [B, K]
-            P_b, R_b = max(int(p_len.max()), 1), max(int(r_len.max()), 1)
-            batch = GroupBatch(
-                prompt_ids=self.prompt_ids[idx, self.max_prompt_len - P_b:].long(),  # [B, P']
-                prompt_mask=(torch.arange(P_b) >= P_b - p_len[:, None]).long(),     # [B, P']
-                response_ids=self.response_ids[idx, :, :R_b].long(),                # [B, K, R']
-                response_len=r_len,
-                reward=self.reward[idx],
-                ref_logp=self.ref_logp[idx],
-                behaviour_logp=self.behaviour_logp[idx],
-                search_temperature=self.search_temperature[idx],
-                from_reference=self.from_reference[idx],
-                keep=self.keep[idx],
-                version=self.version[idx],
-                prompt_index=self.prompt_index[idx],
-                order=self.order[idx],
-                draws=self.draws[idx],
-                recent_count=recent_count)
-        return batch
+                from_recent = rng.random() < recent_frac and recent.weight.any()
+                groups.append(self._draw_group(recent if from_recent else everything,
+                                               (everything, recent), priority_temp, rng))
+                recent_count += int(from_recent)
+            return self._copy_out(groups, recent_count)
+
+    def _draw_group(self, pool, pools, priority_temp, rng):
+        """One group from `pool` (under the lock): a prompt by the pool's weights, then up to K
+        of its completions, uniformly or by reward; they leave every pool of `pools`.
+        -> slots [k] (NumPy)"""
+        prompt = pool.pick_prompt(rng)
+        candidates = np.flatnonzero(pool.mask & (self.prompt_index.numpy() == prompt))  # [n]
+        log_weights = (self.reward.numpy()[candidates].astype(np.float64) / priority_temp
+                       if priority_temp else np.zeros(len(candidates)))             # [n]
+        slots = candidates[draw_without_replacement(log_weights, self.group_size, rng)]  # [k]
+        for each in pools:
+            each.take(prompt, slots)
+        return slots
+
+    def _copy_out(self, groups, recent_count) -> GroupBatch:
+        """The drawn groups as a GroupBatch (under the lock, in NumPy); each drawn completion's
+        count of draws goes up by one."""
+        B, K = len(groups), self.group_size
+        idx = np.zeros((B, K), dtype=np.int64)                                 # [B, K] slots
+        keep = np.zeros((B, K), dtype=bool)                                    # [B, K]
+        for b, slots in enumerate(groups):
+            idx[b, :len(slots)], keep[b, :len(slots)] = slots, True
+        self.draws.numpy()[idx[keep]] += 1
+        prompts = self.prompt_index.numpy()[idx[:, 0]]                         # [B]
+        p_len = self.prompt_len.numpy()[prompts]                               # [B]
+        r_len = np.where(keep, self.response_len.numpy()[idx], 0)              # [B, K]
+        P_b, R_b = int(p_len.max()), max(int(r_len.max()), 1)
+
+        def gather(field, empty):                                              # [B, K]
+            return torch.from_numpy(np.where(keep, field.numpy()[idx], empty))
+        return GroupBatch(
+            prompt_ids=torch.from_numpy(self.prompt_ids.numpy()[prompts, -P_b:].astype(np.int64)),
+            prompt_mask=torch.from_numpy(np.arange(P_b) >= P_b - p_len[:, None]).long(),  # [B, P']
+            response_ids=torch.from_numpy(np.where(keep[..., None],
+                                                   self.response_ids.numpy()[idx, :R_b],
+                                                   self.pad_id).astype(np.int64)),   # [B, K, R']
+            response_len=torch.from_numpy(r_len),
+            reward=gather(self.reward, 0.0),
+            ref_logp=gather(self.ref_logp, 0.0),
+            behaviour_logp=gather(self.behaviour_logp, 0.0),
+            version=gather(self.version, REFERENCE),
+            search_temperature=gather(self.search_temperature, math.nan),
+            from_reference=torch.from_numpy(keep & (self.version.numpy()[idx] == REFERENCE)),
+            keep=torch.from_numpy(keep),
+            prompt_index=torch.from_numpy(prompts),
+            order=gather(self.order, -1),
+            draws=gather(self.draws, 0),
+            recent_count=recent_count)
+
+    # --- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         with self._lock:
@@ -330,10 +463,11 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict, max_version: int) -> None:
         """Restore a `state_dict`, after checking that it could have come from this buffer with
         weights up to `max_version` (the checkpoint's step): a file with the right shapes but
-        impossible values would otherwise be trained on, or crash a searcher much later.
-        A state written before a field existed gets its `_ADDED` value (NaN: not known)."""
-        state = {**state, **{name: torch.full_like(getattr(self, name), value)
-                             for name, value in self._ADDED.items() if name not in state}}
+        impossible values would otherwise be trained on, or crash a searcher much later."""
+        if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
+            raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
+                             "buffer of completions) and cannot be loaded: resume it with the "
+                             "tba of its time, or start the run again")
         for name in self._FIELDS:
             if name not in state:
                 raise ValueError(f"buffer state_dict is missing '{name}'")
@@ -341,20 +475,24 @@ class ReplayBuffer:
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
                 raise ValueError(
                     f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
-                    f"{_describe(want)} (capacity={self.capacity}, group_size={self.group_size}, "
+                    f"{_describe(want)} (capacity={self.capacity}, n_prompts={self.n_prompts}, "
                     f"max_prompt_len={self.max_prompt_len}, "
                     f"max_response_len={self.max_response_len})")
         n_added = state.get("n_added")
         if not isinstance(n_added, int) or n_added < 0:
             raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
-        n = min(n_added, self.capacity)
-        filled = {name: state[name][:n] for name in self._FIELDS}
-        rules = [  # (what is wrong, the offending values) for the n filled slots
-            (f"versions outside [0, {max_version}]",
-             filled["version"][(filled["version"] < 0) | (filled["version"] > max_version)]),
+        stored = state["prompt_index"] >= 0                                    # [C]
+        filled = {name: state[name][stored] for name in (
+            "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
+            "order", "draws")}
+        seen = state["prompt_len"][filled["prompt_index"].clamp(0, self.n_prompts - 1)]
+        rules = [  # (what is wrong, the offending values) for the stored completions
+            (f"versions outside [{REFERENCE}, {max_version}]",
+             filled["version"][(filled["version"] < REFERENCE) | (filled["version"] > max_version)]),
+            (f"prompt indices outside [0, {self.n_prompts})",
+             filled["prompt_index"][filled["prompt_index"] >= self.n_prompts]),
             (f"prompt lengths outside [1, {self.max_prompt_len}]",
-             filled["prompt_len"][(filled["prompt_len"] < 1)
-                                  | (filled["prompt_len"] > self.max_prompt_len)]),
+             seen[(seen < 1) | (seen > self.max_prompt_len)]),
             (f"response lengths outside [1, {self.max_response_len}]",
              filled["response_len"][(filled["response_len"] < 1)
                                     | (filled["response_len"] > self.max_response_len)]),
@@ -362,12 +500,10 @@ class ReplayBuffer:
             ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
             ("infinite behaviour log-probs", filled["behaviour_logp"][
                 filled["behaviour_logp"].isinf()]),
-            ("negative prompt indices", filled["prompt_index"][filled["prompt_index"] < 0]),
             ("negative draw counts", filled["draws"][filled["draws"] < 0]),
+            (f"insertion orders outside [0, {n_added})",
+             filled["order"][(filled["order"] < 0) | (filled["order"] >= n_added)]),
         ]
-        if not torch.equal(filled["order"].sort().values, torch.arange(n_added - n, n_added)):
-            rules.append((f"insertion orders that are not {n_added - n}..{n_added - 1}",
-                          filled["order"]))
         for problem, values in rules:
             if values.numel():
                 raise ValueError(f"buffer state_dict holds {problem}: "

@@ -178,8 +178,15 @@ class Config:
                                 at_least(0))
     min_buffer: int = flag(None, f"groups in the buffer before training starts {TASK_DEFAULT}",
                            at_least(0))
-    buffer_capacity: int = flag(None, f"groups the replay buffer holds; the oldest go first "
-                                      f"{TASK_DEFAULT}", at_least(1))
+    buffer_capacity: int = flag(None, "completions the replay buffer holds (groups are formed "
+                                      f"from them when drawn) {TASK_DEFAULT}", at_least(1))
+    buffer_per_prompt: int = flag(0, "completions the buffer holds of one prompt at most (TBA "
+                                     "keeps 100); 0: no bound but --buffer-capacity",
+                                  ((lambda v: v == 0 or v >= 2), "0 or at least 2"))
+    buffer_evict: str = flag("oldest", "which completion makes room when the buffer (or a "
+                                       "prompt's share) is full: oldest, or lowest reward "
+                                       "(GFlowNet red-teaming: the best stay)",
+                             one_of("oldest", "lowest"))
     lag: int = flag(0, "--searchers 0 only: sample each step's groups with the policy as it was "
                        "exactly this many updates earlier (the first steps: with the initial "
                        "weights), to measure staleness alone; keeps the last L + 1 versions "
@@ -340,10 +347,15 @@ def check_combination(cfg):
     if cfg.eval_samples < task.min_eval_samples:
         raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on sampled "
                          f"completions: use {task.min_eval_samples} or more")
-    if cfg.searchers and cfg.buffer_capacity < max(cfg.min_buffer, cfg.prompts_per_step):
-        raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the "
-                         f"{max(cfg.min_buffer, cfg.prompts_per_step)} groups the trainer waits "
-                         "for (--min-buffer, --prompts-per-step): raise it")
+    waits_for = max(cfg.min_buffer, cfg.prompts_per_step) * cfg.group_size
+    if cfg.searchers and cfg.buffer_capacity < waits_for:
+        raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the {waits_for} "
+                         "completions the trainer waits for (--min-buffer or --prompts-per-step, "
+                         "times --group-size): raise it")
+    if cfg.searchers and 0 < cfg.buffer_per_prompt < cfg.group_size:
+        raise ValueError(f"--buffer-per-prompt {cfg.buffer_per_prompt} is below --group-size "
+                         f"{cfg.group_size}: a prompt could not hold the group it was searched "
+                         "with; raise it, or use 0")
     if 0 <= cfg.max_staleness < cfg.sync_every - 1:
         raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
                          f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")

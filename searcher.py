@@ -25,7 +25,7 @@ from transformers.utils import logging as transformers_logging
 
 import models
 import tasks
-from buffer import GroupBatch
+from buffer import REFERENCE, GroupBatch
 from trainer import group_logprobs
 
 
@@ -95,14 +95,16 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     repeated = [p for p in prompts for _ in range(group_size)]
     reward, info = task.score(repeated, completions)
     reward = torch.tensor(reward, dtype=torch.float32)
+    per_completion = (len(prompts), group_size)                                # [B, K]
     batch = GroupBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_len=response_len, reward=reward.view(len(prompts), group_size).to(prompt_ids.device),
-        ref_logp=torch.zeros(len(prompts), group_size, device=prompt_ids.device),
-        version=torch.full((len(prompts),), version, dtype=torch.long),
+        response_len=response_len, reward=reward.view(per_completion).to(prompt_ids.device),
+        ref_logp=torch.zeros(per_completion, device=prompt_ids.device),
+        version=torch.where(from_reference, REFERENCE, version).long()[:, None].expand(per_completion),
         prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long),
-        behaviour_logp=behaviour_logp, search_temperature=temperatures,
-        from_reference=from_reference, info=info)
+        behaviour_logp=behaviour_logp,
+        search_temperature=temperatures[:, None].expand(per_completion),
+        from_reference=from_reference[:, None].expand(per_completion), info=info)
     if isinstance(info, dict) and "embeddings" in info:   # for the buffer's near-duplicate merge
         batch.embedding = torch.as_tensor(info["embeddings"]).view(len(prompts), group_size, -1)
     n_completions = len(prompts) * group_size
@@ -114,13 +116,21 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     return batch, completions
 
 
-def sampling_metrics(batch):
-    """How a step's groups were sampled: mean temperature and the share the reference sampled."""
-    metrics = {}
-    if batch.search_temperature is not None and not batch.search_temperature.isnan().all():
-        metrics["search_temperature_mean"] = batch.search_temperature.nanmean().item()
+def sampling_metrics(batch, version):
+    """How the completions of a step were sampled, counting only those trained on: how many
+    updates behind `version` (the trainer's) the policy's own samples are, the share the
+    reference sampled (of no version: never stale), and their mean temperature.  -> dict"""
+    kept = batch.kept()                                                        # [B, K]
+    metrics = {"trained_completions": int(kept.sum())}
+    by_policy = kept & (batch.version != REFERENCE)                            # [B, K]
+    if by_policy.any():
+        staleness = (version - batch.version[by_policy]).float()               # [n]
+        metrics.update(staleness_mean=staleness.mean().item(),
+                       staleness_max=staleness.max().item())
     if batch.from_reference is not None:
-        metrics["from_reference_frac"] = batch.from_reference.float().mean().item()
+        metrics["from_reference_frac"] = batch.from_reference[kept].float().mean().item()
+    if batch.search_temperature is not None and not batch.search_temperature[kept].isnan().all():
+        metrics["search_temperature_mean"] = batch.search_temperature[kept].nanmean().item()
     return metrics
 
 
@@ -190,13 +200,11 @@ class Searcher:
 
 
 def add_to_buffer(buffer, prompt_ids, batch):
-    """Write a searched batch into the replay buffer, one group per prompt."""
+    """Write a searched batch's completions into the replay buffer, prompt by prompt."""
     for i, ids in enumerate(prompt_ids):
         buffer.add(ids, batch.response_ids[i], batch.response_len[i], batch.reward[i],
-                   batch.ref_logp[i], batch.behaviour_logp[i], int(batch.version[i]),
-                   int(batch.prompt_index[i]),
-                   search_temperature=float(batch.search_temperature[i]),
-                   from_reference=bool(batch.from_reference[i]),
+                   batch.ref_logp[i], batch.behaviour_logp[i], batch.version[i],
+                   int(batch.prompt_index[i]), search_temperature=batch.search_temperature[i],
                    embedding=None if batch.embedding is None else batch.embedding[i])
 
 

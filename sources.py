@@ -112,11 +112,11 @@ class InProcess:
             search_temperature=self.cfg.search_temperature, reference_frac=self.cfg.reference_frac)
         self.batches_used += 1
         self.tokens += int(batch.response_len.sum())
-        self.groups += len(batch.version)
+        self.groups += len(batch.prompt_index)
         self.infos = [batch.info] if batch.info is not None else []
         return batch, {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
-                       "reuse_mean": 1.0, "buffer_groups": 0, "recent_frac_actual": 1.0,
-                       **searcher.sampling_metrics(batch)}
+                       "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0,
+                       **searcher.sampling_metrics(batch, version)}
 
     def publish(self, policy, version):
         return 0.0                        # the searcher *is* the trainer's policy
@@ -196,11 +196,10 @@ class Replay:
         batch = self.buffer.sample(cfg.prompts_per_step, cfg.recent_frac, cfg.priority_temp or None,
                                    self.sampler, min_version, cfg.max_reuse)
         return batch, {"trainer_wait_s": round(wait_s, 4), "search_s": 0.0,
-                       "reuse_mean": batch.draws.float().mean().item(),
-                       "buffer_groups": len(self.buffer),
-                       "recent_frac_actual": batch.recent_count / len(batch.version),
-                       "kept_frac": batch.keep.float().mean().item(),
-                       **searcher.sampling_metrics(batch)}
+                       "reuse_mean": batch.draws[batch.keep].float().mean().item(),
+                       "buffer_completions": len(self.buffer),
+                       "recent_frac_actual": batch.recent_count / len(batch.prompt_index),
+                       **searcher.sampling_metrics(batch, version)}
 
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
@@ -418,12 +417,15 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     if not cfg.searchers:
         return InProcess(cfg, task, policy, ref_model, tokenizer, prompts)
     longest = max(len(p.ids) for p in prompts)
+    n_prompts = max(p.index for p in prompts) + 1
     embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
     check_shared_memory((0 if cfg.ray else WeightChannel.bytes_needed(policy))
-                        + shared_bytes(cfg.buffer_capacity, cfg.group_size, longest,
-                                       cfg.max_new_tokens, embedding_dim))
+                        + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens,
+                                       n_prompts, embedding_dim))
     buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
-                          tokenizer.pad_token_id, dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
+                          n_prompts=n_prompts, pad_id=tokenizer.pad_token_id,
+                          per_prompt=cfg.buffer_per_prompt, evict=cfg.buffer_evict,
+                          dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
                           embedding_dim=embedding_dim)
     if cfg.ray:
         return RaySearchers(cfg, buffer, layout.threads, interrupt)

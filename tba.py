@@ -135,24 +135,22 @@ def train(cfg, setup):
             train_s = time.time() - t0
             sync_s = source.publish(policy, version=step) if step % cfg.sync_every == 0 else 0.0
             source.poll()
-            progress.step, progress.samples = step, progress.samples + batch.reward.numel()
+            trained = source_metrics["trained_completions"]      # what the step learnt from
+            progress.step, progress.samples = step, progress.samples + trained
             progress.tokens, progress.groups = (earlier[0] + source.tokens,
                                                 earlier[1] + source.groups)
             now = time.time()
-            staleness = (version - batch.version).float()                # [B]
             row = {"step": step, "time": round(now - start, 3), "samples": progress.samples,
                    **stats, "beta": beta, "lr": lr, "version": version,
-                   "staleness_mean": staleness.mean().item(),
-                   "staleness_max": staleness.max().item(),
                    **source_metrics, "sync_s": round(sync_s, 4), "train_s": round(train_s, 4),
                    "gen_groups": progress.groups,
                    "gen_tokens_per_s": round(progress.tokens / (now - start), 2),
-                   "samples_per_s": round(batch.reward.numel() / (now - last), 2),
+                   "samples_per_s": round(trained / (now - last), 2),
                    **task.search_metrics(source.take_infos())}
             log.write(row)
             last = now
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.3g}",
-                            stale=f"{row['staleness_mean']:.1f}",
+                            stale=f"{row.get('staleness_mean', 0.0):.1f}",
                             samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
             bar.update()
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:

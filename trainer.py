@@ -112,15 +112,24 @@ def group_logprobs(model, batch: GroupBatch, temperature=1.0, groups=slice(None)
                    completions=slice(None)):
     """`completion_logprobs` of a GroupBatch's groups `groups`, or of the slice `completions` of
     their completions taken group by group (group 0's K, group 1's K, ...), each prompt computed
-    once.  -> [n·K], or [m] for a slice: `.view(n, K)` recovers the groups of a whole batch"""
+    once. Only the completions in `batch.keep` are computed (a group drawn short is padded):
+    the others get 0 and cost nothing.
+    -> [n·K], or [m] for a slice: `.view(n, K)` recovers the groups of a whole batch"""
     response_ids = batch.response_ids[groups]                                  # [n, K, R]
     n, k, _ = response_ids.shape
     owner = torch.arange(n, device=response_ids.device).repeat_interleave(k)[completions]  # [m]
-    first, last = int(owner[0]), int(owner[-1]) + 1  # the prompts this slice continues
-    return completion_logprobs(
+    kept = batch.kept()[groups].flatten()[completions]                         # [m]
+    if not kept.any():
+        return torch.zeros(len(owner), device=response_ids.device)
+    first, last = int(owner[kept][0]), int(owner[kept][-1]) + 1  # the prompts it continues
+    logp = completion_logprobs(
         model, batch.prompt_ids[groups][first:last], batch.prompt_mask[groups][first:last],
-        response_ids.flatten(0, 1)[completions], batch.response_len[groups].flatten()[completions],
-        owner - first, temperature)
+        response_ids.flatten(0, 1)[completions][kept],
+        batch.response_len[groups].flatten()[completions][kept], owner[kept] - first,
+        temperature)                                                           # [kept]
+    if kept.all():
+        return logp
+    return torch.zeros(len(owner), device=logp.device).masked_scatter(kept, logp)   # [m]
 
 
 def check_logprobs(model):
@@ -184,8 +193,12 @@ def tb_loss(logp, ref_logp, reward, beta, keep=None):
     All inputs are [B, K]: row b holds the K completions of prompt b. The loss is zero exactly
     when log p_θ − log p_ref − r/β is constant within each group, i.e. when p_θ ∝ p_ref·exp(r/β)
     on the sampled completions. Any behaviour policy may have produced them: that is why stale,
-    replayed and explorative data are fine. `keep` [B, K] bool: only these completions count
-    (the buffer's duplicates are left out), the means taken over them. Returns (loss, log_z [B]).
+    replayed and explorative data are fine, and why a group may mix completions of different
+    weight versions and temperatures, drawn from the buffer long after they were sampled:
+    log Ẑ is fitted to whichever completions meet in a group, and the fixed point, every
+    residual log p_θ − log p_ref − r/β equal to one constant per prompt, does not depend on
+    which ones meet. `keep` [B, K] bool: only these completions count (a group drawn with
+    fewer than K is padded), the means taken over them. Returns (loss, log_z [B]).
     """
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
     n = keep.sum(1)                                             # [B]
@@ -201,7 +214,7 @@ def rloo_loss(logp, ref_logp, reward, beta, is_weight=None, keep=None):
     The reward is KL-regularised, r − β·(log p_θ − log p_ref), and each completion's baseline is
     the mean of the other K − 1 in its group. Unbiased only for samples from the current policy;
     `is_weight` [B, K] (`truncated_is_weights`) reweights samples of another policy μ towards it.
-    `keep` [B, K] bool: only these completions count (the buffer's duplicates are left out).
+    `keep` [B, K] bool: only these completions count (a group drawn short is padded).
     """
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
     n = keep.sum(1, keepdim=True)                                              # [B, 1]
@@ -331,7 +344,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
             out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
                           **extra)
             part_loss, log_z = out if isinstance(out, tuple) else (out, None)
-            scaler.scale(part_loss * n / b).backward()
+            if part_loss.requires_grad:     # False: this pass held only padding
+                scaler.scale(part_loss * n / b).backward()
         total_loss += part_loss.item() * n / b
         logps.append(logp.detach().view(n, k))
         if log_z is not None:
@@ -348,7 +362,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     scaler.update()
     scheduler.step()
     logp = torch.cat(logps)                                                    # [B, K]
-    kept = torch.ones_like(logp, dtype=torch.bool) if batch.keep is None else batch.keep  # [B, K]
+    kept = batch.kept()                                                        # [B, K]
     return {
         "loss": total_loss,
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z

@@ -39,7 +39,7 @@ class Task:
     defaults = dict(steps=200, prompts_per_step=4, group_size=8, max_new_tokens=256,
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
                     warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0, sync_every=2,
-                    recent_frac=0.95, min_buffer=8, buffer_capacity=1000, max_reuse=4,
+                    recent_frac=0.95, min_buffer=8, buffer_capacity=8000, max_reuse=4,
                     micro_groups=0, activation_checkpointing=False, save_every=50,
                     eval_samples=0, max_prompt_len=512)
 

@@ -86,7 +86,7 @@ class ArithTask(AnswerTask):
                     steps=25, prompts_per_step=4, group_size=8, max_new_tokens=32,
                     temperature=0.7, beta=0.2, beta_final=0.2, beta_steps=0, lr=3e-5,
                     warmup_steps=5, decay_steps=10, eval_every=10, eval_n=128,
-                    sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=500,
+                    sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=4000,
                     max_reuse=1, micro_groups=0, save_every=10)
 
     def examples(self, split):

@@ -80,7 +80,7 @@ class Gsm8kTask(AnswerTask):
                     max_new_tokens=256, temperature=0.7, beta=0.05, beta_final=0.05,
                     beta_steps=0, lr=1e-5, warmup_steps=10, decay_steps=50, eval_every=50,
                     eval_n=128, sync_every=2, recent_frac=0.95, min_buffer=4,
-                    buffer_capacity=1000, micro_groups=1,
+                    buffer_capacity=8000, micro_groups=1,
                     activation_checkpointing=True)
 
     def examples(self, split):

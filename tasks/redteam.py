@@ -73,7 +73,7 @@ class RedTeamTask(Task):
     defaults = dict(Task.defaults, steps=30, prompts_per_step=4, group_size=4, max_new_tokens=20,
                     temperature=0.7, beta=0.1, beta_final=0.1, beta_steps=0, lr=3e-5,
                     warmup_steps=3, decay_steps=10, eval_every=10, eval_n=32, sync_every=2,
-                    recent_frac=0.95, min_buffer=4, buffer_capacity=500, save_every=10,
+                    recent_frac=0.95, min_buffer=4, buffer_capacity=2000, save_every=10,
                     victim_samples=2, victim_max_new_tokens=16)
 
     def __init__(self, cfg):

@@ -203,7 +203,7 @@ class SummarizeTask(Task):
                     max_new_tokens=48, temperature=0.7, beta=0.02, beta_final=0.02,
                     beta_steps=0, lr=3e-5, warmup_steps=2, decay_steps=6, eval_every=6,
                     eval_n=16, eval_samples=2, sync_every=2, recent_frac=0.5, min_buffer=4,
-                    buffer_capacity=500, save_every=6, max_prompt_len=192,
+                    buffer_capacity=2000, save_every=6, max_prompt_len=192,
                     micro_groups=1)
 
     def __init__(self, cfg):

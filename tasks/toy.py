@@ -104,7 +104,7 @@ class ToyTask(Task):
     defaults = dict(Task.defaults, steps=1500, prompts_per_step=2, group_size=64,
                     max_new_tokens=MAX_NEW_TOKENS, beta=0.5, beta_final=0.07, beta_steps=1000,
                     lr=5e-4, warmup_steps=10, decay_steps=300, eval_every=100, sync_every=2,
-                    recent_frac=0.95, min_buffer=4, buffer_capacity=200, save_every=500)
+                    recent_frac=0.95, min_buffer=4, buffer_capacity=12800, save_every=500)
 
     def load_model(self, device):
         tokenizer = build_tokenizer()
