@@ -109,8 +109,8 @@ from buffer import ReplayBuffer
 from sources import WeightChannel
 cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
 policy, tokenizer = tasks.make_task(cfg).load_model(torch.device("cpu"))
-buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens,
-                      tokenizer.pad_token_id)
+buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens, n_prompts=2,
+                      pad_id=tokenizer.pad_token_id)
 weights = WeightChannel(policy, 1, mp.get_context("spawn"))
 weights.publish(policy, version=0)
 pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
@@ -156,7 +156,7 @@ def test_two_searchers_run_and_exit_cleanly(tmp_path):
     for r in train_rows:
         assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= max_staleness
         assert 1 <= r["reuse_mean"] <= max_reuse
-        assert r["version"] == r["step"] - 1 and r["buffer_groups"] >= 2
+        assert r["version"] == r["step"] - 1 and r["buffer_completions"] >= 2 * 64
     assert any(r["staleness_max"] > 0 for r in train_rows)      # data really was off-policy
     assert train_rows[-1]["gen_tokens_per_s"] > 0
     assert "final" in result.stdout
@@ -191,7 +191,7 @@ def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens,
-                          tokenizer.pad_token_id)
+                          n_prompts=2, pad_id=tokenizer.pad_token_id)
     weights = WeightChannel(policy, 1, mp.get_context("spawn"))
     weights.publish(policy, version=0)
     pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)

@@ -101,7 +101,11 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--task", "arith", "--prompt-style", "fancy"], "--prompt-style must be one of auto, chat"),
     # combinations
     (["--task", "summarize", "--eval-samples", "0"], "--eval-samples 0: summarize evaluates on sampled"),
-    (["--buffer-capacity", "3"], "--buffer-capacity 3 is below the 4 groups the trainer waits"),
+    (["--buffer-capacity", "200"], "--buffer-capacity 200 is below the 256 completions the "
+                                    "trainer waits for"),
+    (["--buffer-per-prompt", "1"], "--buffer-per-prompt must be 0 or at least 2"),
+    (["--buffer-per-prompt", "32"], "--buffer-per-prompt 32 is below --group-size 64"),
+    (["--buffer-evict", "newest"], "--buffer-evict must be one of oldest, lowest"),
     (["--max-staleness", "0", "--sync-every", "4"], "--max-staleness 0 is below --sync-every - 1"),
     (["--loss", "rloo"], "--loss rloo is on-policy, but --searchers 1 trains on stale"),
     (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
@@ -124,7 +128,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--out", "INPUTS/a_file"], "a_file is a file: pass a folder"),
     (["--out", "INPUTS/a_file/run"], "a_file is a file, not a folder"),
     (["--out", "/sys/tba-run"], "--out /sys/tba-run: cannot write in /sys"),
-    (["--buffer-capacity", "100000000"], "/dev/shm has"),     # 1.6 TB of shared memory
+    (["--buffer-capacity", "10000000000"], "/dev/shm has"),     # 0.8 TB of shared memory
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, toy_model_and_data, tmp_path, capsys):
     args = [a.replace("INPUTS", str(toy_model_and_data)) for a in args]
@@ -153,7 +157,7 @@ def corrupt_config(run):
 
 
 def spoil_buffer(name, value):
-    """A buffer.pt with the right shapes but an impossible value in its first group."""
+    """A buffer.pt with the right shapes but an impossible value in its first completion."""
     def spoil(run):
         path = checkpoint.latest(run) / "buffer.pt"
         state = torch.load(path, weights_only=True)
@@ -185,9 +189,9 @@ def async_run(tmp_path_factory):
     ("sync", None, [*TOY, "--out", "RUN"], "already holds a run: continue it with --resume"),
     ("rloo", None, ["--resume", "RUN", "--steps", "4", "--searchers", "1"], "--loss rloo is on-policy"),
     ("async", spoil_buffer("response_len", 99), ["--resume", "RUN", "--steps", "4"],
-     "buffer.pt is invalid (buffer state_dict holds response lengths outside [1, 5]: [99, 99"),
+     "buffer.pt is invalid (buffer state_dict holds response lengths outside [1, 5]: [99]"),
     ("async", spoil_buffer("version", 7), ["--resume", "RUN", "--steps", "4"],
-     "versions outside [0, 2]: [7]"),
+     "versions outside [-1, 2]: [7]"),
     ("async", spoil_buffer("reward", math.nan), ["--resume", "RUN", "--steps", "4"],
      "non-finite rewards"),
 ])
@@ -288,9 +292,10 @@ def test_resume_continues_the_original_schedule(tmp_path, capsys):
 
 def test_shared_memory_estimate_is_what_the_buffer_and_the_weights_take(tiny_model_dir):
     """`check_shared_memory` is only as good as these two sums."""
-    buffer = ReplayBuffer(7, 3, 5, 11)
-    tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
-    assert shared_bytes(7, 3, 5, 11) == sum(t.numel() * t.element_size() for t in tensors)
+    for dim in (0, 4):
+        buffer = ReplayBuffer(7, 3, 5, 11, n_prompts=13, embedding_dim=dim)
+        tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
+        assert shared_bytes(7, 5, 11, 13, dim) == sum(t.numel() * t.element_size() for t in tensors)
     model, _ = models.load_model(tiny_model_dir)
     weights = sources.WeightChannel(model, 1, mp.get_context("spawn"))
     assert sources.WeightChannel.bytes_needed(model) == sum(

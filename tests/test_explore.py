@@ -12,7 +12,7 @@ import searcher
 import tasks
 import tba
 import trainer
-from buffer import GroupBatch, ReplayBuffer
+from buffer import REFERENCE, GroupBatch, ReplayBuffer
 from tasks import toy
 
 
@@ -54,14 +54,15 @@ def test_explorative_groups_carry_the_log_probs_of_what_sampled_them():
     assert batch.prompt_index.tolist() == [p.index for p in prompts]
     assert batch.reward.flatten().tolist() == task.reward(
         [p for p in prompts for _ in range(5)], completions)
+    assert torch.equal(batch.version == REFERENCE, batch.from_reference)  # of no policy version
     for b in range(len(prompts)):
-        sampler = ref_model if batch.from_reference[b] else policy
+        sampler = ref_model if batch.from_reference[b, 0] else policy
         one = GroupBatch(batch.prompt_ids[b:b + 1], batch.prompt_mask[b:b + 1],
                          batch.response_ids[b:b + 1], batch.response_len[b:b + 1],
                          reward=batch.reward[b:b + 1], ref_logp=batch.ref_logp[b:b + 1],
                          version=batch.version[b:b + 1], prompt_index=batch.prompt_index[b:b + 1])
         with torch.no_grad():
-            mu = trainer.group_logprobs(sampler, one, float(batch.search_temperature[b]))
+            mu = trainer.group_logprobs(sampler, one, float(batch.search_temperature[b, 0]))
             ref = trainer.group_logprobs(ref_model, one, 1.0)
         assert torch.allclose(batch.behaviour_logp[b], mu, atol=1e-5)
         assert torch.allclose(batch.ref_logp[b], ref, atol=1e-5)
@@ -130,32 +131,41 @@ def test_toy_modes_are_the_basins_of_the_reward():
 K, P, R = 4, 3, 3
 
 
-def group(responses, rewards=(0.0, 0.0, 0.0, 0.0), prompt_index=0, **extra):
+def group(responses, rewards=(0.0, 0.0, 0.0, 0.0), prompt_index=0, version=0, **extra):
     lens = [len(r) for r in responses]
     ids = torch.tensor([r + [0] * (R - len(r)) for r in responses])
     return dict(prompt_ids=[1, 2], response_ids=ids, response_len=lens, reward=list(rewards),
-                ref_logp=[0.0] * K, behaviour_logp=[0.0] * K, version=0,
+                ref_logp=[0.0] * K, behaviour_logp=[0.0] * K, version=version,
                 prompt_index=prompt_index, **extra)
 
 
+def stored(buffer, prompt_index=0):
+    """The (response tokens, reward) of what the buffer holds of a prompt."""
+    slots = (buffer.prompt_index == prompt_index).nonzero().flatten().tolist()
+    return sorted((tuple(buffer.response_ids[s, :buffer.response_len[s]].tolist()),
+                   round(buffer.reward[s].item(), 3)) for s in slots)
+
+
 def test_dedup_stores_each_completion_of_a_prompt_once():
-    """Each completion of a prompt is kept once, in its newest group: what the searchers keep
-    finding stays fresh instead of ageing out of the ring."""
-    buffer = ReplayBuffer(8, K, P, R, dedup=True)
-    assert buffer.add(**group([[5], [5], [6, 1], [6]])) == 3      # the second [5] is left out
-    assert buffer.add(**group([[5], [6, 1], [7], [8]])) == 4      # found again: kept here...
-    assert buffer.keep[0].tolist() == [False, False, False, True]  # ...and left out of group 0
-    assert buffer.add(**group([[5], [5], [5], [5]])) == 1         # one completion: not stored,
-    assert buffer.keep[1].tolist() == [True, True, True, True]    # and nothing changes
-    assert buffer.add(**group([[5], [6], [7], [8]], prompt_index=1)) == 4   # another prompt
-    assert len(buffer) == 3
-    with pytest.raises(ValueError, match="holding 2"):             # group 0 has one left
-        buffer.sample(3, recent_frac=0.0)
-    assert sorted(buffer.sample(2, recent_frac=0.0).order.tolist()) == [1, 2]
+    """Each completion of a prompt is stored once, its newest copy: what the searchers keep
+    finding stays fresh instead of ageing out."""
+    buffer = ReplayBuffer(16, K, P, R, n_prompts=2, dedup=True)
+    buffer.add(**group([[5], [5], [6, 1], [6]]))
+    assert stored(buffer) == [((5,), 0.0), ((6,), 0.0), ((6, 1), 0.0)]
+    buffer.add(**group([[5], [6, 1], [7], [8]], version=3))            # found again
+    assert len(buffer) == 5 and (buffer.version[buffer.prompt_index == 0] == 3).sum() == 4
+    buffer.add(**group([[5], [5], [5], [5]]))
+    assert len(buffer) == 5
+    buffer.add(**group([[5], [6], [7], [8]], prompt_index=1))          # another prompt
+    assert len(buffer) == 9
     # [5] and [5, 0] are different completions: lengths count, not only tokens
-    assert ReplayBuffer(8, K, P, R, dedup=True).add(**group([[5], [5, 0], [5, 0, 0], [0]])) == 4
+    other = ReplayBuffer(8, K, P, R, n_prompts=1, dedup=True)
+    other.add(**group([[5], [5, 0], [5, 0, 0], [0]]))
+    assert len(other) == 4
     # without dedup everything is stored
-    assert ReplayBuffer(8, K, P, R).add(**group([[5], [5], [5], [5]])) == 4
+    other = ReplayBuffer(8, K, P, R, n_prompts=1)
+    other.add(**group([[5], [5], [5], [5]]))
+    assert len(other) == 4
 
 
 def test_near_duplicate_merge_keeps_the_higher_reward():
@@ -163,21 +173,20 @@ def test_near_duplicate_merge_keeps_the_higher_reward():
     the better one is new or stored, within a group and across groups of a prompt."""
     e = torch.eye(4)
     near = torch.nn.functional.normalize(e[0] + 0.1 * e[1], dim=0)        # cosine 0.995 with e0
-    buffer = ReplayBuffer(8, K, P, R, merge_cosine=0.9, embedding_dim=4)
-    assert buffer.add(**group([[1], [2], [3], [4]], rewards=(1.0, 0.0, 0.5, 0.0),
-                              embedding=torch.stack([e[0], near, e[2], e[3]]))) == 3
-    assert buffer.keep[0].tolist() == [True, False, True, True]     # near (0.0) merged into e0 (1.0)
+    buffer = ReplayBuffer(16, K, P, R, n_prompts=1, merge_cosine=0.9, embedding_dim=4)
+    buffer.add(**group([[1], [2], [3], [4]], rewards=(1.0, 0.0, 0.5, 0.0),
+                       embedding=torch.stack([e[0], near, e[2], e[3]])))
+    assert stored(buffer) == [((1,), 1.0), ((3,), 0.5), ((4,), 0.0)]    # [2] merged into [1]
     # a new near-duplicate of e0 with a higher reward replaces the stored one
-    assert buffer.add(**group([[5], [6], [7], [8]], rewards=(2.0, 0.0, 0.0, 0.0),
-                              embedding=torch.stack([near, e[1], -e[2], -e[3]]))) == 4
-    assert buffer.keep[0].tolist() == [False, False, True, True]
+    buffer.add(**group([[5], [6], [7], [8]], rewards=(2.0, 0.0, 0.0, 0.0),
+                       embedding=torch.stack([near, e[1], -e[2], -e[3]])))
+    assert ((1,), 1.0) not in stored(buffer) and ((5,), 2.0) in stored(buffer)
+    assert len(buffer) == 6
     # a new one no better than the stored one is left out
-    assert buffer.add(**group([[9], [6], [7], [8]], rewards=(0.0, 3.0, 3.0, 3.0),
-                              embedding=torch.stack([e[0], -e[0], -e[1], e[1]]))) == 3
-    assert buffer.keep[2].tolist() == [False, True, True, True]
-    # priority replay weighs a group by the mean reward of what it kept
-    batch = buffer.sample(1, recent_frac=0.0, priority_temp=1e-3)
-    assert batch.order.tolist() == [2]
+    buffer.add(**group([[9], [6], [7], [8]], rewards=(0.0, 3.0, 3.0, 3.0),
+                       embedding=torch.stack([e[0], -e[0], -e[1], e[1]])))
+    assert ((9,), 0.0) not in stored(buffer) and ((5,), 2.0) in stored(buffer)
+    assert ((6,), 0.0) not in stored(buffer) and ((8,), 3.0) in stored(buffer)   # e1: better
 
 
 def test_losses_count_only_kept_completions():
@@ -198,23 +207,10 @@ def test_losses_count_only_kept_completions():
         assert torch.allclose(grad, grad_by_hand) and grad[0, 3] == 0
 
 
-def test_a_buffer_state_without_the_new_fields_loads_with_what_they_meant():
-    buffer = ReplayBuffer(4, K, P, R)
-    buffer.add(**group([[1], [2], [3], [4]]))
-    state = buffer.state_dict()
-    for name in ("keep", "embedding", "search_temperature", "from_reference"):
-        del state[name]
-    other = ReplayBuffer(4, K, P, R)
-    other.load_state_dict(state, max_version=0)
-    batch = other.sample(1, recent_frac=0.0)
-    assert batch.keep.all() and not batch.from_reference.any()
-    assert batch.search_temperature.isnan().all()                  # not recorded
-
-
 def test_an_exploring_searcher_run_end_to_end(tmp_path):
     """One searcher process exploring (temperatures, reference groups) into a buffer that keeps
     each completion once and replays by reward: the run trains, and every step logs how its
-    groups were sampled and how much of them the buffer kept."""
+    groups were sampled and how many completions it trained on."""
     out = tmp_path / "run"
     assert tba.main(["--task", "toy", "--searchers", "1", "--steps", "6", "--eval-every", "0",
                      "--search-temperature", "0.5", "2", "--reference-frac", "0.5", "--dedup",
@@ -225,6 +221,6 @@ def test_an_exploring_searcher_run_end_to_end(tmp_path):
     assert [r["step"] for r in train] == list(range(1, 7))
     for r in train:
         assert 0.5 <= r["search_temperature_mean"] <= 2.0
-        assert 0 <= r["from_reference_frac"] <= 1 and 0 < r["kept_frac"] <= 1
+        assert 0 <= r["from_reference_frac"] <= 1 and 0 < r["trained_completions"] <= 2 * 64
         assert 0 < r["ess_frac"] <= 1
     assert "toy/modes" in rows[-1]

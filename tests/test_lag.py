@@ -120,7 +120,7 @@ def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag, tmp_path):
         kept.append(copy.deepcopy(policy))
         batch, _ = source.next_batch(version)
         want = max(version - lag, 0)
-        assert batch.version.tolist() == [want] * 2
+        assert batch.version.tolist() == [[want] * batch.version.shape[1]] * 2
         with torch.no_grad():
             errors = [(trainer.group_logprobs(m, batch, cfg.temperature).view(2, -1)
                        - batch.behaviour_logp).abs().max().item() for m in kept]

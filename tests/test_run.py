@@ -103,7 +103,7 @@ def test_resume_may_switch_between_the_synchronous_loop_and_searchers(tmp_path):
     assert tba.main(["--resume", str(run), "--steps", "6", "--searchers", "0"]) == 0
     rows = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert [r["buffer_groups"] > 0 for r in rows] == [False, False, True, True, False, False]
+    assert [r["buffer_completions"] > 0 for r in rows] == [False, False, True, True, False, False]
 
 
 def test_a_full_disk_mid_checkpoint_is_one_line_and_loses_nothing(tmp_path, monkeypatch, capsys):

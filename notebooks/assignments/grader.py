@@ -191,15 +191,15 @@ def grade_priority(fn):
             "do not change the buffer's tensors in place"
 
     def plackett_luce_pairs():
-        """Two draws from three groups: P(i then j) = p_i · p_j / (1 − p_i)."""
+        """Two groups from three prompts: P(i then j) = p_i · p_j / (1 − p_i)."""
         rewards, temp, draws = [0.0, 0.5, 1.0], 0.5, 4000
         buf = tests.filled(3, rewards=rewards)
         p = torch.softmax(torch.tensor(rewards, dtype=torch.float64) / temp, 0)      # [3]
         gen = torch.Generator().manual_seed(4)
         counts = torch.zeros(3, 3, dtype=torch.float64)
         for _ in range(draws):
-            i, j = buf.sample(2, recent_frac=0.0, priority_temp=temp, generator=gen).order.tolist()
-            counts[i, j] += 1
+            i, j = buf.sample(2, recent_frac=0.0, priority_temp=temp, generator=gen).prompt_index
+            counts[i - 1, j - 1] += 1      # the buffer's prompts are 1, 2, 3
         exact = p[:, None] * p[None, :] / (1 - p[:, None])                           # [3, 3]
         exact.fill_diagonal_(0.0)
         freq = counts / draws
