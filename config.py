@@ -359,15 +359,16 @@ def check_combination(cfg):
     if 0 <= cfg.max_staleness < cfg.sync_every - 1:
         raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
                          f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
-    if cfg.loss == "rloo" and cfg.searchers and not cfg.rloo_off_policy:
-        raise ValueError(f"--loss rloo is on-policy, but --searchers {cfg.searchers} trains on "
-                         "stale, replayed groups: use --searchers 0, or add --rloo-off-policy "
-                         "to train it off-policy anyway")
-    explores = cfg.search_temperature or cfg.reference_frac
-    if cfg.loss == "rloo" and explores and not cfg.rloo_off_policy:
-        raise ValueError("--loss rloo is on-policy, but --search-temperature/--reference-frac "
-                         "sample from other distributions: use --loss rloo-is (importance-"
-                         "corrected) or --loss tb, or add --rloo-off-policy")
+    # One rule for every way data gets off-policy: uncorrected RLOO only when asked for.
+    off_policy = [why for why, on in (
+        (f"--searchers {cfg.searchers} trains on stale, replayed groups", cfg.searchers),
+        (f"--lag {cfg.lag} trains on groups sampled {cfg.lag} updates earlier", cfg.lag),
+        ("--search-temperature/--reference-frac sample from other distributions",
+         cfg.search_temperature or cfg.reference_frac)) if on]
+    if cfg.loss == "rloo" and off_policy and not cfg.rloo_off_policy:
+        raise ValueError(f"--loss rloo is on-policy, but {off_policy[0]}: use --loss rloo-is "
+                         "(importance-corrected) or --loss tb, or add --rloo-off-policy to "
+                         "train it uncorrected anyway")
     for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
         if on and not cfg.searchers:
             raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "

@@ -280,7 +280,10 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     eos = eos_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos, **({} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)))
+        # Greedy: top_k at transformers' own default, which greedy search ignores; left unset it
+        # would come from the model's config (0), which transformers warns about on every call.
+        eos_token_id=eos, **(dict(top_k=50) if greedy
+                             else dict(temperature=1.0, top_k=0, top_p=1.0)))
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
     if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
         temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]

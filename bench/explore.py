@@ -14,6 +14,9 @@ task's annealed default:
   tb-explore-replay  one searcher exploring so; half of each batch from the newest groups,
                      half replayed by reward (--recent-frac 0.5 --priority-temp 0.25, as
                      GFlowNet red-teaming's 50/50), each completion stored once (--dedup)
+  tb-explore-async, -half-replay, -half-priority   what of that replay costs accuracy: one
+                     exploring searcher with fresh data only (m 0.95), then half replayed
+                     uniformly, then half by reward (no dedup)
   rloo               on-policy RLOO, synchronous
   rloo-explore       RLOO on the explorative groups, uncorrected (--rloo-off-policy): at one β
                      its update is TB's up to a constant factor, on any batch
@@ -27,6 +30,12 @@ the only difference (on-policy TB at one β is the same run as RLOO):
   tb-explore-replay  one searcher exploring so; half of each batch replayed by reward
                      (--priority-temp 1 on the mean log-toxicity), near-duplicate attacks
                      (cosine >= 0.9, the task's own threshold for a distinct success) merged
+  tb-keep-best       one searcher, no hotter sampling, the buffer of completions as GFlowNet
+                     red-teaming keeps it: the lowest reward evicted first (at most 100 attacks
+                     of a prompt), each attack once, near-duplicates merged keeping the better,
+                     half of each batch replayed by reward
+  tb-keep-best-explore  the same, sampling each group at a temperature in [0.7, 1.4]
+  beta-0.1/...       RLOO and the last one at the task's β 0.1: the frontier's second point
 
 A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
 again; `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
@@ -44,11 +53,24 @@ EXPLORE = ["--search-temperature", "1", "2", "--reference-frac", "0.25"]
 REPLAY = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "0.25", "--dedup",
           "--max-reuse", "0"]
 WEAK_KL = ["--beta", "0.01", "--beta-final", "0.01"]    # red-teaming: RLOO's best β measured
+# The buffer of completions at its GFlowNet red-teaming settings: half replayed, half fresh;
+# replay by reward; the lowest reward evicted first; each attack stored once, near-duplicates
+# merged keeping the better one.
+KEEP_BEST = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "1",
+             "--buffer-evict", "lowest", "--buffer-per-prompt", "100", "--dedup",
+             "--merge-cosine", "0.9", "--max-reuse", "0"]
 SETTINGS = {
     "toy": {
         "fixed/tb": [*FIXED_BETA, "--searchers", "0"],
         "fixed/tb-explore": [*FIXED_BETA, "--searchers", "0", *EXPLORE],
         "fixed/tb-explore-replay": [*FIXED_BETA, *EXPLORE, *REPLAY],
+        # which part of the replay costs accuracy: one searcher exploring, fresh data only
+        # (m 0.95, the default), then half replayed uniformly, then by reward
+        "fixed/tb-explore-async": [*FIXED_BETA, *EXPLORE, "--searchers", "1"],
+        "fixed/tb-explore-half-replay": [*FIXED_BETA, *EXPLORE, "--searchers", "1",
+                                         "--recent-frac", "0.5"],
+        "fixed/tb-explore-half-priority": [*FIXED_BETA, *EXPLORE, "--searchers", "1",
+                                           "--recent-frac", "0.5", "--priority-temp", "0.25"],
         "fixed/rloo": [*FIXED_BETA, "--searchers", "0", "--loss", "rloo"],
         "fixed/rloo-explore": [*FIXED_BETA, "--searchers", "0", "--loss", "rloo",
                                "--rloo-off-policy", *EXPLORE],
@@ -62,6 +84,10 @@ SETTINGS = {
         "tb-explore-replay": ["--searchers", "1", *WEAK_KL, "--search-temperature", "0.7", "1.4",
                               "--recent-frac", "0.5", "--priority-temp", "1",
                               "--merge-cosine", "0.9", "--max-reuse", "0"],
+        "tb-keep-best": [*WEAK_KL, *KEEP_BEST],
+        "tb-keep-best-explore": [*WEAK_KL, *KEEP_BEST, "--search-temperature", "0.7", "1.4"],
+        "beta-0.1/rloo": ["--searchers", "0", "--loss", "rloo"],
+        "beta-0.1/tb-keep-best-explore": [*KEEP_BEST, "--search-temperature", "0.7", "1.4"],
     },
 }
 METRICS = {"toy": ("toy/tv", "toy/modes"),
@@ -119,14 +145,18 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="+", help="default: all of the task's")
     parser.add_argument("--lanes", type=int, default=1, choices=(1, 2))
     parser.add_argument("--runs", type=Path, help="default: runs/bench-explore-TASK")
+    parser.add_argument("--steps", type=int, help="default: the task's; longer runs go to "
+                        "their own folder and evaluate 5 times")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
-    runs = args.runs or REPO / "runs" / f"bench-explore-{args.task}"
     sys.path.insert(0, str(REPO))
     import tasks
-    steps = tasks.task_class(args.task).defaults["steps"]
+    steps = args.steps or tasks.task_class(args.task).defaults["steps"]
+    longer = ["--steps", str(steps), "--eval-every", str(steps // 5)] if args.steps else []
+    runs = args.runs or REPO / "runs" / (f"bench-explore-{args.task}"
+                                         + (f"-{steps}" if args.steps else ""))
     chosen = args.settings or list(SETTINGS[args.task])
-    todo = [(["--task", args.task, "--seed", str(seed), *SETTINGS[args.task][setting]],
+    todo = [(["--task", args.task, "--seed", str(seed), *SETTINGS[args.task][setting], *longer],
              folder(runs, setting, seed)) for seed in args.seeds for setting in chosen]
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:

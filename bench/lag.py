@@ -61,8 +61,9 @@ def finished(run_dir, steps):
 
 
 def flags(task, loss, lag, seed):
+    uncorrected = ["--rloo-off-policy"] if loss == "rloo" else []    # on stale data, as asked
     return ["--task", task, "--searchers", "0", "--lag", str(lag), "--loss", loss, "--seed",
-            str(seed), *TASKS[task]["flags"]]
+            str(seed), *uncorrected, *TASKS[task]["flags"]]
 
 
 def run_all(todo, lanes):

@@ -111,6 +111,8 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--searchers", "64"], "--searchers 64 needs at least one CPU core each"),
     (["--loss", "rloo", "--searchers", "0", "--reference-frac", "0.2"],
      "--loss rloo is on-policy, but --search-temperature/--reference-frac sample"),
+    (["--loss", "rloo", "--lag", "4"],
+     "--loss rloo is on-policy, but --lag 4 trains on groups sampled 4 updates earlier"),
     (["--dedup", "--searchers", "0"], "--dedup acts on the replay buffer, and --searchers 0"),
     (["--dedup"], "--dedup with --max-reuse 4: a buffer that stores what was found once"),
     (["--merge-cosine", "0.9", "--max-reuse", "0"], "--merge-cosine needs a task that embeds"),

@@ -149,3 +149,22 @@ def test_shared_prefill_samples_the_same_tokens_as_repeated_prompts(build):
     assert response_ids.shape == expected.shape and torch.equal(response_ids, expected)
     assert len(set(map(tuple, response_ids.flatten(0, 1).tolist()))) > 6   # not all alike
     assert (response_len < response_ids.shape[-1]).any()                   # some ended in EOS
+
+
+def test_greedy_generation_warns_about_nothing(tiny_dir):
+    """A loaded model's config turns top-k off (0) for sampling; greedy decoding with it must not
+    make transformers warn about generation flags (it did at every evaluation)."""
+    import logging
+    from transformers.utils import logging as transformers_logging
+    model, tokenizer = load_model(str(tiny_dir))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    transformers_logging.warning_once.cache_clear()     # said once per process: say it again
+    logger.addHandler(handler)
+    try:
+        models.generate(model, tokenizer, [[2, 3]], max_new_tokens=3, greedy=True)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "may be ignored" in r.getMessage()]
