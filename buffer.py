@@ -342,8 +342,8 @@ class ReplayBuffer:
             return int((index < 0).argmax())                                   # the first free
         if own:
             candidates = mine
-        elif self.evict == "oldest":
-            candidates = torch.from_numpy(np.flatnonzero(index >= 0))
+        elif self.evict == "oldest":                                           # of all stored
+            return int(np.where(index >= 0, self.order.numpy(), np.iinfo(np.int64).max).argmin())
         else:
             largest = self._counts(index >= 0).argmax()
             own = largest == self.prompt_index[mine[0]] if len(mine) else False
@@ -409,7 +409,8 @@ class ReplayBuffer:
         of its completions, uniformly or by reward; they leave every pool of `pools`.
         -> slots [k] (NumPy)"""
         prompt = pool.pick_prompt(rng)
-        candidates = np.flatnonzero(pool.mask & (self.prompt_index.numpy() == prompt))  # [n]
+        candidates = np.flatnonzero(self.prompt_index.numpy() == prompt)      # [m] its slots
+        candidates = candidates[pool.mask[candidates]]                         # [n] in the pool
         log_weights = (self.reward.numpy()[candidates].astype(np.float64) / priority_temp
                        if priority_temp else np.zeros(len(candidates)))             # [n]
         slots = candidates[draw_without_replacement(log_weights, self.group_size, rng)]  # [k]
