@@ -56,6 +56,7 @@ def load(cfg):
     transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
+    task.check_data()                     # a missing data file is found before a model loads
     policy, tokenizer = task.load_model(layout.device)
     trainer.check_logprobs(policy)
     if cfg.activation_checkpointing:

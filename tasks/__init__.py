@@ -3,6 +3,7 @@
 A task is one file with one `Task` subclass. The rest of the project only uses this interface:
 
     task = make_task(cfg)
+    task.check_data()                                   # data files read before any model
     model, tokenizer = task.load_model(device)
     prompts = task.prompts("train", tokenizer)          # list[Prompt], already tokenised
     rewards = task.reward(prompts, completions)         # list[float], one per completion
@@ -50,6 +51,17 @@ class Task:
         """The policy's starting point, which is also the frozen reference."""
         return models.load_model(self.cfg.model or models.DEFAULT_MODEL, device=device,
                                  trust_remote_code=self.cfg.trust_remote_code)
+
+    def examples(self, split):
+        """The raw examples of a split ("train" or "test"), for tasks read from data; the others
+        make their prompts in code."""
+        return []
+
+    def check_data(self):
+        """Read both splits now: `tba.load` calls this before any model loads, so that a missing
+        or broken data file is named in a second, not after the minutes a model takes."""
+        for split in ("train", "test"):
+            self.examples(split)
 
     def prompts(self, split, tokenizer):
         raise NotImplementedError

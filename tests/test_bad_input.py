@@ -314,3 +314,14 @@ def test_float16_loss_scale_survives_a_resume(tmp_path):
     assert tba.main(["--resume", str(run), "--steps", "3"]) == 0
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows if "grad_scale" in r] == [1, 2, 3]
+
+
+def test_missing_data_is_found_before_any_model_loads(toy_model_and_data, tmp_path, capsys,
+                                                     monkeypatch):
+    """A wrong --data-dir is named before the policy loads (minutes for a real model)."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data files were read")
+    monkeypatch.setattr(models, "load_model", load_model)
+    args = [a.replace("INPUTS", str(toy_model_and_data)) for a in GSM8K]
+    assert tba.main([*args, "--data-dir", "/no/such/data", "--out", str(tmp_path / "run")]) == 2
+    one_error_line(capsys, "GSM8K data not found")
