@@ -272,14 +272,17 @@ def build_parser(with_defaults=True):
 def parse_args(argv=None):
     """-> (Config, names of the fields set by the command line or the recipe, actions)
 
-    actions: {"config": the recipe's path or None, "dry_run": bool}."""
+    actions: {"config": the recipe's path or None, "dry_run": bool, "recipe": the recipe's
+    values that the command line left in place ({} without one)}."""
     values = vars(build_parser().parse_args(argv))
     given = set(vars(build_parser(with_defaults=False).parse_args(argv)))
     actions = {name: values.pop(name) for name in ACTIONS}
     given -= set(ACTIONS)
+    actions["recipe"] = {}
     if actions["config"]:
         recipe = read_recipe(actions["config"])
-        values.update({name: value for name, value in recipe.items() if name not in given})
+        actions["recipe"] = {name: value for name, value in recipe.items() if name not in given}
+        values.update(actions["recipe"])
         given |= set(recipe)
     return Config(**values), given, actions
 
@@ -418,9 +421,10 @@ def check_combination(cfg):
 
 def fit_schedule(cfg, from_task, task_steps):
     """Warm-up + decay, and β's annealing, must fit in --steps: a trial run shorter than the
-    task's gets the task's schedule shrunk in proportion (shown by `describe`); a schedule the
-    user gave that does not fit is refused, not trained silently at a fraction of the peak lr.
-    from_task: the SCHEDULE fields the task chose."""
+    task's (or the recipe's) gets that schedule shrunk in proportion (shown by `describe`); a
+    schedule given on the command line that does not fit is refused, not trained silently at a
+    fraction of the peak lr. from_task: the SCHEDULE fields the task or the recipe chose;
+    task_steps: the run length they were chosen for."""
     def fits(c):
         return c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
     if fits(cfg):
@@ -439,9 +443,11 @@ def fit_schedule(cfg, from_task, task_steps):
     return cfg
 
 
-def resolve(cfg):
+def resolve(cfg, recipe=None):
     """Fill the fields left unset with the task's defaults (and the machine's), fit the schedule
-    to the run, and check every value and the combination."""
+    to the run, and check every value and the combination. `recipe`: the values a recipe set
+    (`parse_args`' actions["recipe"]): its schedule is fitted as the task's would be."""
+    recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
     from_task = {k for k in task_defaults if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **{k: task_defaults[k] for k in from_task})
@@ -459,16 +465,21 @@ def resolve(cfg):
         cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_ranges(cfg)
     if not cfg.resume:          # a resumed run keeps the schedule of its first session
-        cfg = fit_schedule(cfg, from_task, task_defaults.get("steps", cfg.steps))
+        planned = {**task_defaults, **recipe}       # the schedule and the run it was made for
+        cfg = fit_schedule(cfg, from_task | (set(SCHEDULE) & set(recipe)),
+                           planned.get("steps", cfg.steps))
     check_combination(cfg)
     return cfg
 
 
-def describe(cfg, given, width=100):
+def describe(cfg, given, width=100, recipe=None):
     """The settings a run uses, compactly: by group, only those that differ from the flags'
     defaults; * marks a choice of the task (or of the machine: device, dtype, searchers), and a
-    task's schedule fitted to a shorter run says so. On --resume, the run's saved settings."""
+    task's or recipe's schedule fitted to a shorter run says so. On --resume, the run's saved
+    settings."""
+    recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
+    planned = {**task_defaults, **recipe}
     groups, title = {}, None
     for f in dataclasses.fields(Config):
         title = SECTIONS.get(f.name, title)
@@ -489,10 +500,11 @@ def describe(cfg, given, width=100):
                 line = " " * (len(title) + 3)
             line += " " + item
         lines.append(line)
-    fitted = [name for name in SCHEDULE if name not in given
-              and getattr(cfg, name) != task_defaults.get(name, getattr(cfg, name))]
+    fitted = [name for name in SCHEDULE if (name not in given or name in recipe)
+              and getattr(cfg, name) != planned.get(name, getattr(cfg, name))]
     if fitted and not cfg.resume:
-        lines.append(f"  fitted to --steps {cfg.steps}: the task's schedule ("
-                     + ", ".join(f"{n.replace('_', '-')} {task_defaults[n]}" for n in fitted)
-                     + f") is for {task_defaults['steps']} steps")
+        whose = "recipe" if set(fitted) & set(recipe) else "task"
+        lines.append(f"  fitted to --steps {cfg.steps}: the {whose}'s schedule ("
+                     + ", ".join(f"{n.replace('_', '-')} {planned[n]}" for n in fitted)
+                     + f") is for {planned['steps']} steps")
     return "\n".join(lines)

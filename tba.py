@@ -195,9 +195,10 @@ def main(argv=None):
         return plot.main(argv[1:])
     try:
         cfg, given, actions = config.parse_args(argv)
-        cfg = run.resumed_config(cfg, given) if cfg.resume else config.resolve(cfg)
+        cfg = (run.resumed_config(cfg, given) if cfg.resume
+               else config.resolve(cfg, recipe=actions["recipe"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
-        print(config.describe(cfg, given), flush=True)
+        print(config.describe(cfg, given, recipe=actions["recipe"]), flush=True)
         if actions["dry_run"]:
             return 0
         setup = load(cfg)

@@ -43,7 +43,8 @@ def test_command_line_overrides_the_recipe(tmp_path):
     assert (cfg.task, cfg.seed, cfg.lr, cfg.group_size, cfg.quiet) == ("toy", 7, 1.0, 4, True)
     assert isinstance(cfg.lr, float)               # a TOML integer where a float goes
     assert given == {"task", "seed", "lr", "group_size", "quiet"}
-    assert actions == {"config": str(recipe), "dry_run": False}
+    assert actions == {"config": str(recipe), "dry_run": False,
+                       "recipe": {"task": "toy", "lr": 1.0, "group_size": 4, "quiet": True}}
 
 
 def test_a_range_flag_from_the_command_line_and_from_a_recipe(tmp_path):
@@ -118,6 +119,25 @@ def test_a_short_run_gets_the_tasks_schedule_fitted_visibly(tmp_path, capsys):
             "beta-steps 1000) is for 1500 steps") in capsys.readouterr().out
     full = config.resolve(config.parse_args(["--task", "toy"])[0])        # fits: unchanged
     assert (full.warmup_steps, full.decay_steps, full.beta_steps) == (10, 300, 1000)
+
+
+def test_a_recipe_schedule_is_fitted_as_the_tasks(tmp_path, capsys):
+    """recipes/cpu-arith.toml is exactly --task arith: a shorter run of either gets the same
+    schedule, fitted, and says so; only schedules from the command line are refused."""
+    recipe = REPO / "recipes" / "cpu-arith.toml"
+    fitted = config.resolve(config.parse_args(["--task", "arith", "--steps", "12"])[0])
+    cfg, _, actions = config.parse_args(["--config", str(recipe), "--steps", "12"])
+    from_recipe = config.resolve(cfg, recipe=actions["recipe"])
+    assert (from_recipe.warmup_steps, from_recipe.decay_steps) == (
+        fitted.warmup_steps, fitted.decay_steps) == (2, 5)
+    assert tba.main(["--config", str(recipe), "--steps", "12", "--dry-run",
+                     "--out", str(tmp_path)]) == 0
+    assert ("fitted to --steps 12: the recipe's schedule (warmup-steps 5, decay-steps 10) is "
+            "for 25 steps") in capsys.readouterr().out
+    capsys.readouterr()
+    assert tba.main(["--config", str(recipe), "--steps", "12", "--decay-steps", "11",
+                     "--out", str(tmp_path / "run")]) == 2      # 2 fitted + 11 given: refused
+    one_error_line(capsys, "does not fit in --steps 12: --warmup-steps 2 + --decay-steps 11")
 
 
 @pytest.mark.parametrize("args, message", [
