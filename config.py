@@ -190,7 +190,7 @@ class Config:
     lag: int = flag(0, "--searchers 0 only: sample each step's groups with the policy as it was "
                        "exactly this many updates earlier (the first steps: with the initial "
                        "weights), to measure staleness alone; keeps the last L + 1 versions "
-                       "of the weights as files in RUN/lag/ (SmolLM2-135M: 0.54 GB each) and "
+                       "of the weights (and those each kept checkpoint needs) as files in RUN/lag/ (SmolLM2-135M: 0.54 GB each) and "
                        "one more copy in memory (0: on-policy)", at_least(0))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
                                   "trainer, waiting for fresher ones if needed (-1: no bound)",

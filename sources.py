@@ -52,8 +52,9 @@ class InProcess:
     (`sampler`) loaded from the file of version v − L: one more copy of the weights in memory,
     L + 1 files on disk (SmolLM2-135M: 0.54 GB each, 9.2 GB at L = 16; in memory, 16 copies
     and the trainer's activations would not leave room for a second run on 24 GB). A checkpoint
-    records which versions it needs next, and their files stay until the next checkpoint, so a
-    resumed run samples with the same old weights as one that never stopped."""
+    records which versions it needs next, and their files stay as long as the checkpoint does
+    (--keep-checkpoints), so a run resumed from any kept checkpoint samples with the same old
+    weights as one that never stopped."""
 
     fill_target = 0                       # nothing to wait for before the first step
 
@@ -69,7 +70,7 @@ class InProcess:
         self.lag_dir = Path(cfg.out) / "lag"
         self.sampler_version = None
         self.next_version = 0             # the version the next step starts from
-        self.pinned = None                # the oldest version the newest checkpoint needs
+        self.pins = []                    # the oldest version each kept checkpoint needs
 
     def start(self, policy, version):
         pass
@@ -95,7 +96,7 @@ class InProcess:
             copy_weights(self.sampler, torch.load(self.weights_file(sampled), mmap=True,
                                                   weights_only=True))
             self.sampler_version = sampled
-        keep_from = sampled if self.pinned is None else min(sampled, self.pinned)
+        keep_from = min([sampled, *self.pins])
         for old in self.lag_dir.glob("version_*.pt"):     # what no step or checkpoint needs
             if int(old.stem.split("_")[1]) < keep_from:
                 old.unlink()
@@ -129,16 +130,20 @@ class InProcess:
         return infos
 
     def state_dict(self):
-        # Called for a checkpoint: --lag's files from its next sampled version on must stay.
-        self.pinned = max(self.next_version - self.cfg.lag, 0)
-        return {"batches_used": self.batches_used}
+        # Called for a checkpoint: --lag's files from its next sampled version on must stay
+        # while it is kept (the checkpoints older than the newest --keep-checkpoints are deleted).
+        self.pins.append(max(self.next_version - self.cfg.lag, 0))
+        if self.cfg.keep_checkpoints:
+            self.pins = self.pins[-self.cfg.keep_checkpoints:]
+        return {"batches_used": self.batches_used, "lag_pins": list(self.pins)}
 
     def load_state_dict(self, state, step):
         # The prompts an earlier synchronous session has seen (none if it ran searchers).
         self.batches_used = state.get("batches_used", 0)
         for _ in range(self.batches_used):
             next(self.batches)
-        self.next_version, self.pinned = step, max(step - self.cfg.lag, 0)
+        self.next_version = step
+        self.pins = state.get("lag_pins", [max(step - self.cfg.lag, 0)])
         if self.cfg.lag:
             missing = [v for v in range(max(step - self.cfg.lag, 0), step)
                        if not self.weights_file(v).is_file()]

@@ -192,6 +192,26 @@ def test_a_lagged_run_resumes_only_with_its_old_weights(tmp_path, capsys):
     assert err.count("\n") == 1 and "lacks the weights of version 1 that --lag 3 samples" in err
 
 
+def test_a_lagged_run_resumes_from_an_older_kept_checkpoint(tmp_path):
+    """Every kept checkpoint keeps the weight files its next steps need: with the newest one
+    deleted (the advice for a damaged checkpoint), the run resumes from the one before and
+    samples with the same old weights as a run that never stopped."""
+    import json
+    import shutil
+    import tba
+    flags = ["--task", "toy", "--lag", "3", "--save-every", "2", "--eval-every", "0", "--quiet"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert tba.main([*flags, "--steps", "8", "--out", str(straight)]) == 0
+    assert tba.main([*flags, "--steps", "8", "--out", str(resumed)]) == 0
+    shutil.rmtree(resumed / "checkpoints" / "step_8")       # back to step 6
+    assert tba.main(["--resume", str(resumed), "--steps", "8"]) == 0
+
+    def losses(run):
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses(resumed)[7] == losses(straight)[7] and losses(resumed)[8] == losses(straight)[8]
+
+
 def test_uncorrected_rloo_is_tb_at_any_lag():
     """Neither loss looks at μ, so on groups sampled by *another* policy too (here the
     reference, far from the trained policy) ∇ RLOO = (β/2)·K/(K−1)·∇ TB, exactly: at one β,
