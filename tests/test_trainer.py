@@ -344,3 +344,34 @@ def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
     assert (sampled - scored).abs().max() <= bound
     assert (float32 - scored).abs().max() <= bound
     assert (float32 - scored).abs().max() > 0        # bfloat16 was really used
+
+
+def test_a_group_drawn_short_costs_nothing_for_its_padding(monkeypatch):
+    """The buffer pads a group drawn with fewer than K completions (`keep` False): those slots
+    get log-prob 0 and never reach the model, the kept ones keep their exact log-probs, and a
+    step split so that some passes hold padding only is the whole step."""
+    import trainer
+    model = tiny_llama()
+    batch = random_batch(24)
+    batch.keep = torch.tensor([[True, True, False, False], [True] * 4, [True, True, True, False]])
+    computed = []
+    real = trainer.completion_logprobs
+    monkeypatch.setattr(trainer, "completion_logprobs",
+                        lambda *args, **kwargs: computed.append(len(args[4])) or real(*args, **kwargs))
+    with torch.no_grad():
+        logp = group_logprobs(model, batch)                                    # [B·K]
+    assert sum(computed) == 9                                  # the kept completions only
+    kept = batch.keep.flatten()
+    torch.testing.assert_close(logp[kept], plain_logprobs(model, batch)[kept], rtol=1e-4, atol=1e-4)
+    assert (logp[~kept] == 0).all()
+    steps = []
+    for micro_completions in (0, 1):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        train_step(trained, optimizer, scheduler, batch, beta=0.5, micro_groups=1,
+                   micro_completions=micro_completions)
+        steps.append(torch.cat([p.flatten() - q.flatten()
+                                for p, q in zip(trained.parameters(), model.parameters())]))
+    assert steps[0].abs().max() > 1e-5
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-7)
