@@ -192,7 +192,7 @@ class ReplayBuffer:
         self.order = torch.full((C,), -1, dtype=torch.int64)                  # [C] when stored
         self.draws = torch.zeros(C, dtype=torch.int64)                        # [C] times drawn
         self.search_temperature = torch.zeros(C, dtype=torch.float32)         # [C]
-        self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] ever stored
+        self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] orders given
         for name in self._FIELDS + ("n_added",):
             getattr(self, name).share_memory_()
         # A spawn-context lock pickles into processes started with the spawn method.
