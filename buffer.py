@@ -1,7 +1,7 @@
 """Replay buffer of completions, shared between processes; groups are formed when drawn.
 
-What TBA's reference code and GFlowNet red-teaming do, and a ring of whole groups cannot: keep
-what the search found, completion by completion, and train on it again and again.
+As in TBA's reference code and GFlowNet red-teaming: keep what the search found, completion by
+completion, and train on it again and again.
 - `add` stores each completion of a searched group in a slot of its own (`_store_one`), beside
   the other completions of the same prompt: an exact duplicate is stored once (`dedup`), a
   near-duplicate (embeddings with cosine >= `merge_cosine`) only if it is better.
@@ -70,18 +70,11 @@ class GroupBatch:
         return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep
 
 
-def pick(weights, rng, cdf=None):
+def pick(weights, rng) -> int:
     """One index drawn with probability ∝ weights ([n] float64 >= 0, NumPy) by inverting their
-    CDF; `rng`: a NumPy Generator. `cdf`: the cumulative sum of earlier weights of which some
-    have since been set to 0: a draw that lands on one of those is drawn again (rejection
-    sampling gives exactly the renormalised distribution, without a new cumulative sum), and
-    after a few misses the CDF is rebuilt. -> (index, the CDF to pass next time)"""
-    for attempt in range(8):
-        if cdf is None or attempt == 7:
-            cdf = np.cumsum(weights)                                           # [n]
-        i = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
-        if weights[i] > 0:
-            return i, cdf
+    CDF; `rng`: a NumPy Generator."""
+    cdf = np.cumsum(weights)                                                   # [n]
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 
 def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
@@ -126,7 +119,7 @@ class Pool:
     def __init__(self, mask, count, prompt_reward=None, priority_temp=None):
         self.mask, self.count = mask, count                                    # [C], [N]
         self.prompt_reward, self.priority_temp = prompt_reward, priority_temp  # [N] or None
-        self.weight, self.cdf = None, None                                     # [N], [N]
+        self.weight = None                                                     # [N]
         self.reweigh()
 
     def reweigh(self):
@@ -136,13 +129,11 @@ class Pool:
             self.weight = priority_weights(torch.from_numpy(self.prompt_reward),
                                            torch.from_numpy(self.count >= 2),
                                            self.priority_temp).numpy()
-        self.cdf = None
 
     def pick_prompt(self, rng) -> int:
         if not self.weight.any():        # all that is left underflowed: shift again
             self.reweigh()
-        prompt, self.cdf = pick(self.weight, rng, self.cdf)
-        return prompt
+        return pick(self.weight, rng)
 
     def take(self, prompt, slots):
         """Completions `slots` [k] of `prompt` were drawn: out of this pool."""
@@ -224,12 +215,6 @@ class ReplayBuffer:
         with self._lock:
             return groups_in(self._counts(self._available(min_version, max_reuse)),
                              self.group_size)
-
-    def newest_version(self) -> Optional[int]:
-        """Highest policy weight version stored (None when there is none)."""
-        with self._lock:
-            policy = (self.prompt_index >= 0) & (self.version != REFERENCE)
-            return int(self.version[policy].max()) if policy.any() else None
 
     # --- store ---------------------------------------------------------------------------------
 
@@ -360,15 +345,11 @@ class ReplayBuffer:
     def sample(self, n_groups: int, recent_frac: float, priority_temp: Optional[float] = None,
                generator: Optional[torch.Generator] = None, min_version: int = -1,
                max_reuse: int = 0) -> GroupBatch:
-        """Draw ``n_groups`` groups of up to K completions, no completion twice (two groups may
-        share a prompt). Group by group (`_draw_group`): with probability ``recent_frac`` a
-        prompt with at least 2 completions of the newest policy version stored, uniformly, and
-        up to K of those; otherwise (or when there is no such prompt) a prompt with at least 2
-        completions left, uniformly or, with ``priority_temp``, with probability ∝ exp(mean
-        reward of its completions / priority_temp), and up to K of its completions, uniformly
-        or ∝ exp(reward / priority_temp). Completions older than ``min_version`` are never
-        drawn (a bound on staleness; reference samples are of no version), nor, when
-        ``max_reuse`` > 0, ones already drawn that many times (a bound on replay)."""
+        """Draw ``n_groups`` groups of up to K completions, no completion twice. Group by group:
+        with probability ``recent_frac`` from the pool of the newest policy version's
+        completions, else from all (prompts weighted by `Pool`, completions by `_draw_group`).
+        Never drawn: completions older than ``min_version`` (reference samples are of no
+        version) and, when ``max_reuse`` > 0, ones already drawn that many times."""
         if not 0.0 <= recent_frac <= 1.0:
             raise ValueError(f"recent_frac must be in [0, 1], got {recent_frac}")
         if priority_temp is not None and priority_temp <= 0:

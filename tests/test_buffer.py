@@ -77,7 +77,7 @@ def test_groups_are_formed_when_drawn_k_completions_of_one_prompt():
 
 def test_empty_buffer_and_too_many():
     buf = ReplayBuffer(4 * K, K, P, R, n_prompts=N)
-    assert len(buf) == 0 and buf.newest_version() is None
+    assert len(buf) == 0
     buf.add(**make_group(1))
     with pytest.raises(ValueError, match="cannot sample 2 groups"):
         buf.sample(2, recent_frac=0.5)
@@ -227,7 +227,7 @@ def test_generator_reproducible():
 
 def test_oldest_eviction_evicts_the_oldest_completion_of_all():
     buf = filled(8, capacity=5 * K)
-    assert len(buf) == 5 * K and buf.newest_version() == 8
+    assert len(buf) == 5 * K and buf.version.max() == 8
     batch = buf.sample(5, recent_frac=0.0)
     assert sorted(batch.prompt_index.tolist()) == [4, 5, 6, 7, 8]   # prompts 1..3 evicted
     check_consistent(batch)
@@ -320,7 +320,6 @@ def test_reuse_and_staleness_bounds_are_per_completion():
     assert buf.sample(1, 0.0, min_version=4).prompt_index.tolist() == [2]
     buf.add(**{**make_group(4), "version": REFERENCE})
     assert buf.count(min_version=4) == 2                        # never stale
-    assert buf.newest_version() == 5
 
 
 def test_reference_samples_are_not_recent_and_count_in_no_staleness():
@@ -372,7 +371,7 @@ def test_state_dict_round_trip():
     state = buf.state_dict()
     other = ReplayBuffer(5 * K, K, P, R, n_prompts=N)
     other.load_state_dict(state, max_version=7)
-    assert len(other) == 5 * K and other.newest_version() == 7
+    assert len(other) == 5 * K and other.version.max() == 7
     for name in ReplayBuffer._FIELDS:                   # unrecorded temperatures are NaN
         torch.testing.assert_close(getattr(other, name), getattr(buf, name), equal_nan=True,
                                    rtol=0, atol=0)
