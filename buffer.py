@@ -70,11 +70,17 @@ class GroupBatch:
         return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep
 
 
-def pick(weights, rng) -> int:
+def pick(weights, rng, cdf=None):
     """One index drawn with probability ∝ weights ([n] float64 >= 0, NumPy) by inverting their
-    CDF; `rng`: a NumPy Generator."""
-    cdf = np.cumsum(weights)                                                   # [n]
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+    CDF; `rng`: a NumPy Generator. `cdf`: that of earlier weights, some since set to 0: a draw
+    landing on one of those is drawn again (rejection: exactly the renormalised distribution,
+    without a new cumulative sum per group). -> (index, the CDF to pass next time)"""
+    for attempt in range(8):
+        if cdf is None or attempt == 7:
+            cdf = np.cumsum(weights)                                           # [n]
+        i = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+        if weights[i] > 0:
+            return i, cdf
 
 
 def priority_weights(group_reward, available, priority_temp) -> torch.Tensor:
@@ -119,7 +125,7 @@ class Pool:
     def __init__(self, mask, count, prompt_reward=None, priority_temp=None):
         self.mask, self.count = mask, count                                    # [C], [N]
         self.prompt_reward, self.priority_temp = prompt_reward, priority_temp  # [N] or None
-        self.weight = None                                                     # [N]
+        self.weight, self.cdf = None, None                                     # [N], [N]
         self.reweigh()
 
     def reweigh(self):
@@ -129,11 +135,13 @@ class Pool:
             self.weight = priority_weights(torch.from_numpy(self.prompt_reward),
                                            torch.from_numpy(self.count >= 2),
                                            self.priority_temp).numpy()
+        self.cdf = None
 
     def pick_prompt(self, rng) -> int:
         if not self.weight.any():        # all that is left underflowed: shift again
             self.reweigh()
-        return pick(self.weight, rng)
+        prompt, self.cdf = pick(self.weight, rng, self.cdf)
+        return prompt
 
     def take(self, prompt, slots):
         """Completions `slots` [k] of `prompt` were drawn: out of this pool."""
