@@ -10,8 +10,13 @@ file is in place. A rename is atomic, so a crash part-way leaves only a temporar
 and removed by the next save) next to the previous, intact checkpoint. `.pt` files are read with
 `torch.load(weights_only=True)`: a checkpoint can hold tensors and plain values, never code.
 A write that fails (a full disk, a read-only folder, a quota) is a WriteError naming what could
-not be written; the half-written temporary folder is removed to give the space back.
+not be written; the half-written temporary folder is removed to give the space back. Every other
+file of a run is written the same way, through `write_file` (whole files: config.json, the --lag
+weights) or `append_lines` (metrics.jsonl, samples.jsonl): a failure names the file and the
+reason, and leaves no temporary file and no half line behind.
 """
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,9 +32,50 @@ class WriteError(Exception):
 
 
 def reason(error):
-    """The first line of an exception's message, or its type's name."""
-    text = str(getattr(error, "strerror", None) or error).strip()
+    """Why a write failed, in the system's words ("No space left on device"): from an OSError
+    anywhere in the exception's chain (torch.save raises "unexpected pos" from the OSError of a
+    full disk) or in safetensors' text ("... (os error 28)"); else the first line of the
+    message, or the exception's type."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    text = str(error).strip()
+    code = re.search(r"\(os error (\d+)\)", text)
+    if code:
+        return os.strerror(int(code.group(1)))
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def write_file(path, write):
+    """Write `path` whole or not at all: `write(f)` fills a temporary sibling (opened "wb"),
+    which is then renamed over `path`. A failure removes the temporary and is a WriteError naming
+    `path` and the reason. -> path"""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"cannot write {path} ({reason(e)})") from e
+    return path
+
+
+def append_lines(path, lines):
+    """Append these text lines to `path`, all of them or none: a failure cuts the file back to
+    its length before and is a WriteError naming `path`."""
+    path = Path(path)
+    before = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as f:          # closed (and so flushed) here, errors included
+            f.writelines(lines)
+    except OSError as e:
+        if path.exists():
+            os.truncate(path, before)
+        raise WriteError(f"cannot write {path} ({reason(e)})") from e
 
 
 def step_of(path):
@@ -90,9 +136,13 @@ def save(run_dir, step, model, tokenizer, trainer_state, keep=2):
         tmp.mkdir()
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
-        torch.save({**trainer_state, "source": source}, tmp / "trainer.pt")
+        # through Python's file: a full disk then leaves its OSError for `reason` (torch's own
+        # writer reports only "basic_ios::clear")
+        with open(tmp / "trainer.pt", "wb") as f:
+            torch.save({**trainer_state, "source": source}, f)
         if buffer_state is not None:
-            torch.save(buffer_state, tmp / "buffer.pt")
+            with open(tmp / "buffer.pt", "wb") as f:
+                torch.save(buffer_state, f)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"cannot write checkpoint {final} ({reason(e)})") from e

@@ -148,12 +148,7 @@ def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, sourc
 # ---------------------------------------------------------------- the folder's files
 def write_json(path, value):
     """Write JSON atomically: a crash leaves the old file or the new one, never half of one."""
-    tmp = Path(path).with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(value, indent=2))
-        os.replace(tmp, path)
-    except OSError as e:
-        raise WriteError(f"cannot write {path} ({e.strerror or e})") from e
+    checkpoint.write_file(path, lambda f: f.write(json.dumps(value, indent=2).encode()))
 
 
 def run_record(cfg, layout):
@@ -172,7 +167,7 @@ def run_record(cfg, layout):
 
 
 class MetricsLog:
-    """Appends one JSON object per line to runs/<name>/metrics.jsonl, flushed every row."""
+    """Appends one JSON object per line to runs/<name>/metrics.jsonl, on disk after every row."""
 
     def __init__(self, path, resume_step=None):
         """With `resume_step`, the rows after that step (written after the checkpoint, by a run
@@ -183,13 +178,10 @@ class MetricsLog:
             steps = [MetricsLog.step_of(r) for r in rows]
             keep = [step is not None and step <= resume_step for step in steps]
             if not all(keep):
-                with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
-                    f.writelines(r for r, k in zip(rows, keep) if not k)
-                kept = [r for r, k in zip(rows, keep) if k]
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(kept))
-                os.replace(tmp, path)
-        self.file = open(path, "a")
+                checkpoint.append_lines(path.with_name("metrics.discarded.jsonl"),
+                                        [r for r, k in zip(rows, keep) if not k])
+                kept = "".join(r for r, k in zip(rows, keep) if k)
+                checkpoint.write_file(path, lambda f: f.write(kept.encode()))
 
     @staticmethod
     def step_of(line):
@@ -200,11 +192,7 @@ class MetricsLog:
             return None
 
     def write(self, row):
-        try:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        except OSError as e:
-            raise WriteError(f"cannot write {self.path} ({e.strerror or e})") from e
+        checkpoint.append_lines(self.path, [json.dumps(row) + "\n"])
 
 
 # ---------------------------------------------------------------- stopping and failing
@@ -256,7 +244,8 @@ def failure(error, step, out):
     if isinstance(error, (searcher.SearcherError, trainer.NonFiniteError, WriteError)):
         return RunFailed(f"after step {step}: {error}")
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return RunFailed(f"after step {step}: cannot write {error.filename} ({error.strerror})")
+        return RunFailed(f"after step {step}: cannot write {error.filename or 'in ' + str(out)} "
+                         f"({error.strerror})")
     reason = f"after step {step}: {type(error).__name__}: {error}"
     try:
         (Path(out) / "error.log").write_text(traceback.format_exc())

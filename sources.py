@@ -36,6 +36,7 @@ import torch
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
+import checkpoint
 import searcher
 from buffer import ReplayBuffer, shared_bytes
 from searcher import SearcherError, add_to_buffer
@@ -88,9 +89,7 @@ class InProcess:
             return version                # the sampler is the policy itself
         self.lag_dir.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().cpu() for k, v in WeightChannel.shipped_state(self.policy).items()}
-        tmp = self.weights_file(version).with_suffix(".tmp")
-        torch.save(weights, tmp)
-        tmp.replace(self.weights_file(version))    # whole files only, even if the run dies here
+        checkpoint.write_file(self.weights_file(version), lambda f: torch.save(weights, f))
         sampled = max(version - self.cfg.lag, 0)
         if sampled != self.sampler_version:
             copy_weights(self.sampler, torch.load(self.weights_file(sampled), mmap=True,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import checkpoint
 import models
 from tasks import Prompt, Task
 
@@ -110,11 +111,10 @@ def evaluate_answers(task, model, tokenizer, prompts, max_new_tokens, batch_size
                                           batch_size)]
     rewards = task.reward(prompts, completions)
     if out_dir:
-        with open(Path(out_dir) / "samples.jsonl", "a") as f:
-            for p, c, r in list(zip(prompts, completions, rewards))[:n_shown]:
-                f.write(json.dumps({"step": step, "index": p.index, "prompt": p.text,
-                                    "completion": c, "answer": extract_answer(c),
-                                    "gold": p.answer, "reward": r}) + "\n")
+        checkpoint.append_lines(Path(out_dir) / "samples.jsonl", [
+            json.dumps({"step": step, "index": p.index, "prompt": p.text, "completion": c,
+                        "answer": extract_answer(c), "gold": p.answer, "reward": r}) + "\n"
+            for p, c, r in list(zip(prompts, completions, rewards))[:n_shown]])
     metrics = {"eval/accuracy": sum(rewards) / max(len(rewards), 1), "eval/n": len(rewards)}
     if sampled:
         samples = complete(task, model, tokenizer, prompts, max_new_tokens,

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoint
 import models
 from tasks import Prompt, Task, scorers
 
@@ -173,8 +174,7 @@ class RedTeamTask(Task):
         answers, toxicity = self.attack(attacks)                               # [N, S]
         metrics = attack_metrics(toxicity.mean(-1), self.embedder(attacks), "eval")
         if self.cfg.out:                                # the first attack of each prompt
-            with open(Path(self.cfg.out) / "samples.jsonl", "a") as f:
-                for a, ans, t in list(zip(attacks, answers, toxicity.tolist()))[::per_prompt]:
-                    f.write(json.dumps({"step": step, "attack": a, "answers": ans,
-                                        "toxicity": t}) + "\n")
+            checkpoint.append_lines(Path(self.cfg.out) / "samples.jsonl", [
+                json.dumps({"step": step, "attack": a, "answers": ans, "toxicity": t}) + "\n"
+                for a, ans, t in list(zip(attacks, answers, toxicity.tolist()))[::per_prompt]])
         return {**metrics, "eval/n": len(attacks)}

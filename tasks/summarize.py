@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoint
 import models
 from tasks import Prompt, Task, scorers
 from trainer import group_logprobs
@@ -289,12 +290,11 @@ class SummarizeTask(Task):
                    "eval/greedy_reward_mean": greedy_reward.mean().item(),
                    "eval/n": len(prompts)}
         if self.cfg.out:
-            with open(Path(self.cfg.out) / "samples.jsonl", "a") as f:
-                for i in range(min(SAMPLES_LOGGED, len(prompts))):
-                    f.write(json.dumps({"step": step, "summary": sampled[i * n],
-                                        "greedy": greedy[i], "reference": references[i],
-                                        "reward": reward[i * n].item(),
-                                        "win": wins[i * n].item()}) + "\n")
+            checkpoint.append_lines(Path(self.cfg.out) / "samples.jsonl", [
+                json.dumps({"step": step, "summary": sampled[i * n], "greedy": greedy[i],
+                            "reference": references[i], "reward": reward[i * n].item(),
+                            "win": wins[i * n].item()}) + "\n"
+                for i in range(min(SAMPLES_LOGGED, len(prompts)))])
         return metrics
 
     def sample(self, model, tokenizer, prompts, n, ref_model=None):
