@@ -16,10 +16,13 @@ install:
 install-ray:     # the optional extra for --ray (searchers as Ray actors, several machines)
 	$(PYTHON) -m pip install "ray==2.60.0"
 
+install-loggers: # the optional extras for --report-to tensorboard,wandb
+	$(PYTHON) -m pip install "tensorboard==2.21.0" "wandb==0.31.0"
+
 run: install
 	$(PYTHON) tba.py
 
-test: install install-ray
+test: install install-ray install-loggers
 	$(PYTHON) -m pytest -q
 
 test-gpu: install install-ray   # the CUDA tests (skipped without a GPU): run on a GPU machine
@@ -28,4 +31,4 @@ test-gpu: install install-ray   # the CUDA tests (skipped without a GPU): run on
 notebooks: install     # run every notebook in notebooks/ top to bottom, and the graders
 	$(PYTHON) -m pytest -q tests/test_notebooks.py
 
-.PHONY: install install-ray run test test-gpu notebooks
+.PHONY: install install-ray install-loggers run test test-gpu notebooks

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import loggers
 import models
 import tasks
 from tasks import scorers
@@ -52,8 +53,9 @@ TASK_DEFAULT = "(default: the task's choice)"
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
 # runs. Everything else would make the resumed run a different experiment.
 RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
-                    "save_every", "keep_checkpoints", "quiet", "searchers", "ray", "device",
-                    "micro_groups", "micro_completions", "activation_checkpointing", "dtype")
+                    "save_every", "keep_checkpoints", "quiet", "report_to", "searchers", "ray",
+                    "device", "micro_groups", "micro_completions", "activation_checkpointing",
+                    "dtype")
 
 
 @dataclass
@@ -218,6 +220,13 @@ class Config:
                                                         for f in RESUME_OVERRIDES)
                            + " may be given again, to change them")
     quiet: bool = flag(False, "no progress bars: log lines only")
+    report_to: str = flag("", "also send every metrics row to these loggers, comma-separated: "
+                              "tensorboard (runs/<name>/tensorboard), wandb (online once logged "
+                              "in, or WANDB_MODE=offline); install them with "
+                              f"`{loggers.INSTALL}`",
+                          ((lambda v: len(set(loggers.names(v))) == len(loggers.names(v))
+                            and set(loggers.names(v)) <= set(loggers.CHOICES)),
+                           "tensorboard, wandb or tensorboard,wandb"))
     seed: int = flag(0, "random seed", within(0, 2**32 - 1))
     device: str = flag("auto", "torch device for the trainer: auto, cpu, cuda, cuda:1, ...")
 
@@ -387,6 +396,7 @@ def check_combination(cfg):
         raise ValueError(f"--lag {cfg.lag} delays the synchronous loop's sampler, but --searchers "
                          f"{cfg.searchers} samples in other processes, as stale as they come: "
                          "use --searchers 0 with --lag, or drop --lag")
+    loggers.check(cfg.report_to)
     if cfg.ray:
         if not cfg.searchers:
             raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "

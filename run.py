@@ -167,15 +167,19 @@ def run_record(cfg, layout):
 
 
 class MetricsLog:
-    """Appends one JSON object per line to runs/<name>/metrics.jsonl, on disk after every row."""
+    """Appends one JSON object per line to runs/<name>/metrics.jsonl, on disk after every row,
+    and hands each row to the --report-to loggers (loggers.py)."""
 
-    def __init__(self, path, resume_step=None):
+    def __init__(self, path, resume_step=None, loggers=()):
         """With `resume_step`, the rows after that step (written after the checkpoint, by a run
-        that then died) are moved to metrics.discarded.jsonl: the resumed run redoes them."""
+        that then died) are moved to metrics.discarded.jsonl: the resumed run redoes them, and
+        the loggers, which have them already, do not get them again."""
         self.path = path = Path(path)
+        self.loggers, self.reported_up_to = list(loggers), -1
         if resume_step is not None and path.exists():
             rows = path.read_text().splitlines(keepends=True)
             steps = [MetricsLog.step_of(r) for r in rows]
+            self.reported_up_to = max([s for s in steps if s is not None], default=-1)
             keep = [step is not None and step <= resume_step for step in steps]
             if not all(keep):
                 checkpoint.append_lines(path.with_name("metrics.discarded.jsonl"),
@@ -193,6 +197,13 @@ class MetricsLog:
 
     def write(self, row):
         checkpoint.append_lines(self.path, [json.dumps(row) + "\n"])
+        if row["step"] > self.reported_up_to:
+            for logger in self.loggers:
+                logger.log(row)
+
+    def close(self):
+        for logger in self.loggers:
+            logger.close()
 
 
 # ---------------------------------------------------------------- stopping and failing

@@ -22,6 +22,7 @@ from transformers.utils import logging as transformers_logging
 
 import checkpoint
 import config
+import loggers
 import models
 import plot
 import run
@@ -110,10 +111,14 @@ def train(cfg, setup):
             tqdm.write(f"step {progress.step}: checkpoint {path}")
         return path
 
+    log = None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        run.write_json(out / "config.json", run.run_record(cfg, setup.layout))
-        log = run.MetricsLog(out / "metrics.jsonl", resume_step=first_step if cfg.resume else None)
+        record = run.run_record(cfg, setup.layout)
+        run.write_json(out / "config.json", record)
+        log = run.MetricsLog(out / "metrics.jsonl", resume_step=first_step if cfg.resume else None,
+                             loggers=loggers.open_loggers(cfg.report_to, out=out, record=record,
+                                                          resume=bool(cfg.resume), quiet=cfg.quiet))
         source.start(policy, version=first_step)
         if not cfg.resume:                       # the searchers fill the buffer meanwhile
             metrics = evaluate_now()
@@ -170,6 +175,8 @@ def train(cfg, setup):
     finally:
         bar.close()
         source.close()
+        if log:
+            log.close()
     summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
     print(f"final ({cfg.steps} steps, {time.time() - start:.0f} s, {progress.samples} samples): "
           f"{summary}")

@@ -124,6 +124,9 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     pytest.param(["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: cannot join the Ray cluster",
                  marks=pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                           reason="Ray is the optional --ray extra")),
+    (["--report-to", "tensorboard,mlflow"], "--report-to must be tensorboard, wandb or "
+                                            "tensorboard,wandb (got tensorboard,mlflow)"),
+    (["--report-to", "wandb,wandb"], "--report-to must be tensorboard, wandb"),
     # the machine and the output folder
     (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
     (["--device", "gpu"], "--device 'gpu' is not a torch device"),

@@ -1,6 +1,5 @@
 """The run experience: run folder, checkpoints, resume, plots and one-line errors."""
 import json
-import os
 from pathlib import Path
 
 import pytest
