@@ -225,25 +225,29 @@ class SampleAt(LogitsProcessor):
     temperature, the generation's own cache and precision), at no extra forward pass.
     temperature: a number, or [N, 1], one per generated row (explorative searchers draw one per
     group). The scaling is done here, HF's own temperature is left at 1: HF has one temperature
-    per call. HF calls a processor with the logits of step t before step t's token is drawn, so
-    each call scores the token drawn after the previous one; `finish` scores the last.
+    per call. HF calls a processor with step t's logits *before* step t's token is drawn: each
+    call keeps its log-softmax as `undrawn_logp` and, at the next call, scores it with the token
+    that was drawn from it; the last step's token is known only when `generate` has returned,
+    so `token_logp(new_ids)`, called then, scores it and returns them all.
     `record` False: only the scaling (no log-softmax per token)."""
 
     def __init__(self, temperature, record=True):
-        self.temperature, self.record, self.pending, self.logp = temperature, record, None, []
+        self.temperature, self.record = temperature, record
+        self.undrawn_logp = None          # [N, V] the distribution whose token is not drawn yet
+        self.drawn_logp = []              # [N, 1] per step: log μ of the token each step drew
 
     def __call__(self, input_ids, scores):
         scores = scores / self.temperature                                     # [N, V]
         if self.record:
-            if self.pending is not None:
-                self.logp.append(self.pending.gather(1, input_ids[:, -1:]))    # [N, 1]
-            self.pending = torch.log_softmax(scores.float(), dim=-1)           # [N, V]
+            if self.undrawn_logp is not None:                                  # now it is drawn
+                self.drawn_logp.append(self.undrawn_logp.gather(1, input_ids[:, -1:]))  # [N, 1]
+            self.undrawn_logp = torch.log_softmax(scores.float(), dim=-1)      # [N, V]
         return scores
 
-    def finish(self, new_ids):
-        """new_ids [N, R]: the generated tokens. -> [N, R] log μ of each."""
-        last = self.pending.gather(1, new_ids[:, -1:])                         # [N, 1]
-        return torch.cat([*self.logp, last], dim=1)                            # [N, R]
+    def token_logp(self, new_ids):
+        """After `generate`: new_ids [N, R], the tokens it returned. -> [N, R] log μ of each."""
+        last = self.undrawn_logp.gather(1, new_ids[:, -1:])                    # [N, 1]
+        return torch.cat([*self.drawn_logp, last], dim=1)                      # [N, R]
 
 
 @torch.no_grad()
@@ -299,7 +303,7 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     response_len = first_eos + 1                                               # [B, n]
     if not with_logprobs:
         return ids, mask, response_ids, response_len
-    token_logp = sampler.finish(out[:, p:]).view(b, num_samples, -1)          # [B, n, R]
+    token_logp = sampler.token_logp(out[:, p:]).view(b, num_samples, -1)      # [B, n, R]
     in_response = torch.arange(token_logp.shape[-1], device=device) < response_len[..., None]
     behaviour_logp = torch.where(in_response, token_logp, 0.0).sum(-1)                # [B, n]
     return ids, mask, response_ids, response_len, behaviour_logp

@@ -69,7 +69,7 @@ class InProcess:
         self.infos = []
         self.sampler = copy.deepcopy(policy).requires_grad_(False) if cfg.lag else policy
         self.lag_dir = Path(cfg.out) / "lag"
-        self.sampler_version = None
+        self.sampler_version = None       # the version of the weights the sampler holds (--lag)
         self.next_version = 0             # the version the next step starts from
         self.pins = []                    # the oldest version each kept checkpoint needs
 
@@ -82,28 +82,33 @@ class InProcess:
     def weights_file(self, version):
         return self.lag_dir / f"version_{version}.pt"
 
-    def lagged_version(self, version):
-        """Have the sampler hold the weights of version max(version − L, 0). -> that version"""
-        self.next_version = version + 1
-        if not self.cfg.lag:
-            return version                # the sampler is the policy itself
+    def save_weights(self, version):
+        """--lag: the policy's weights now, as RUN/lag/version_<version>.pt."""
         self.lag_dir.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().cpu() for k, v in WeightChannel.shipped_state(self.policy).items()}
         checkpoint.write_file(self.weights_file(version), lambda f: torch.save(weights, f))
-        sampled = max(version - self.cfg.lag, 0)
-        if sampled != self.sampler_version:
-            copy_weights(self.sampler, torch.load(self.weights_file(sampled), mmap=True,
+
+    def load_sampler(self, version):
+        """--lag: the sampler gets the weights saved as `version` (unless it holds them)."""
+        if version != self.sampler_version:
+            copy_weights(self.sampler, torch.load(self.weights_file(version), mmap=True,
                                                   weights_only=True))
-            self.sampler_version = sampled
-        keep_from = min([sampled, *self.pins])
-        for old in self.lag_dir.glob("version_*.pt"):     # what no step or checkpoint needs
-            if int(old.stem.split("_")[1]) < keep_from:
+            self.sampler_version = version
+
+    def delete_weights_before(self, version):
+        """--lag: the saved weights older than `version`, which no step or checkpoint needs."""
+        for old in self.lag_dir.glob("version_*.pt"):
+            if int(old.stem.split("_")[1]) < version:
                 old.unlink()
-        return sampled
 
     def next_batch(self, version):
         t0 = time.time()
-        sampled = self.lagged_version(version)
+        self.next_version, sampled = version + 1, version
+        if self.cfg.lag:                  # sample from the weights of L updates ago
+            self.save_weights(version)
+            sampled = max(version - self.cfg.lag, 0)
+            self.load_sampler(sampled)
+            self.delete_weights_before(min([sampled, *self.pins]))
         batch, _ = searcher.sample_groups(
             self.sampler, self.ref_model, self.tokenizer, self.task, next(self.batches),
             group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens,

@@ -319,57 +319,75 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     device = next(model.parameters()).device
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     batch = batch.to(device)
-    b, k = batch.reward.shape
-    micro_groups = micro_groups or b
-    loss_fn = LOSSES[loss]
+    b = batch.reward.shape[0]
     optimizer.zero_grad(set_to_none=True)
     total_loss, logps, log_zs = 0.0, [], []
-    for start in range(0, b, micro_groups):
-        part = slice(start, min(start + micro_groups, b))
-        n = part.stop - part.start
-        size = micro_completions if 0 < micro_completions < n * k else n * k
-        if size < n * k:
-            with torch.no_grad(), models.autocast(device, dtype):
-                held = group_logprobs(model, batch, temperature, groups=part)  # [n·K]
-        for s in range(0, n * k, size):
-            with models.autocast(device, dtype):
-                logp = group_logprobs(model, batch, temperature, groups=part,
-                                      completions=slice(s, s + size))  # [size]
-            if size < n * k:
-                logp = torch.cat([held[:s], logp, held[s + size:]])   # [n·K]
-            extra = {} if batch.keep is None else {"keep": batch.keep[part]}
-            if loss == "rloo-is":
-                extra["is_weight"] = truncated_is_weights(
-                    logp.view(n, k), batch.behaviour_logp[part], is_clip)      # [n, K]
-            out = loss_fn(logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
-                          **extra)
-            part_loss, log_z = out if isinstance(out, tuple) else (out, None)
-            if part_loss.requires_grad:     # False: this pass held only padding
-                scaler.scale(part_loss * n / b).backward()
-        total_loss += part_loss.item() * n / b
-        logps.append(logp.detach().view(n, k))
+    for start in range(0, b, micro_groups or b):
+        part = slice(start, min(start + (micro_groups or b), b))
+        part_loss, logp, log_z = backward_micro_batch(
+            model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
+            micro_completions=micro_completions, dtype=dtype, scaler=scaler)
+        total_loss += part_loss
+        logps.append(logp)                                                     # [n, K]
         if log_z is not None:
-            log_zs.append(log_z)
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_grad_norm if max_grad_norm else math.inf)
-    overflow = not math.isfinite(grad_norm.item())    # float16: the scaler skips this step
-    if not math.isfinite(total_loss) or (overflow and not scaler.is_enabled()):
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"the loss is {total_loss:.4g} and the gradient norm "
-                             f"{grad_norm.item():.4g}; the update was not applied")
-    scaler.step(optimizer)
-    scaler.update()
-    scheduler.step()
-    logp = torch.cat(logps)                                                    # [B, K]
-    kept = batch.kept()                                                        # [B, K]
+            log_zs.append(log_z)                                               # [n]
+    grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
+                             max_grad_norm=max_grad_norm)
+    logp, kept = torch.cat(logps), batch.kept()                                # [B, K], [B, K]
     return {
         "loss": total_loss,
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
         "kl": (logp - batch.ref_logp)[kept].mean().item(),
         "reward_mean": batch.reward[kept].mean().item(),
-        "grad_norm": grad_norm.item(),
+        "grad_norm": grad_norm,
         **(off_policy_metrics(logp, batch.behaviour_logp, batch.keep)
            if batch.behaviour_logp is not None else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
+
+
+def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,
+                         micro_completions, dtype, scaler):
+    """Add the gradient of groups `part` of the batch, weighted by their share of it, to the
+    model's gradients (in passes of at most `micro_completions` completions, see `train_step`).
+    -> (their share of the loss, their log-probs [n, K] (detached), their log Ẑ [n] or None)"""
+    device = next(model.parameters()).device
+    b, k = batch.reward.shape
+    n = part.stop - part.start
+    size = micro_completions if 0 < micro_completions < n * k else n * k
+    if size < n * k:
+        with torch.no_grad(), models.autocast(device, dtype):
+            held = group_logprobs(model, batch, temperature, groups=part)      # [n·K]
+    for s in range(0, n * k, size):
+        with models.autocast(device, dtype):
+            logp = group_logprobs(model, batch, temperature, groups=part,
+                                  completions=slice(s, s + size))              # [size]
+        if size < n * k:
+            logp = torch.cat([held[:s], logp, held[s + size:]])                 # [n·K]
+        extra = {} if batch.keep is None else {"keep": batch.keep[part]}
+        if loss == "rloo-is":
+            extra["is_weight"] = truncated_is_weights(
+                logp.view(n, k), batch.behaviour_logp[part], is_clip)          # [n, K]
+        out = LOSSES[loss](logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
+                           **extra)
+        part_loss, log_z = out if isinstance(out, tuple) else (out, None)
+        if part_loss.requires_grad:     # False: this pass held only padding
+            scaler.scale(part_loss * n / b).backward()
+    return part_loss.item() * n / b, logp.detach().view(n, k), log_z
+
+
+def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_norm):
+    """Clip the accumulated gradient and take the optimiser and schedule steps, unless the loss
+    or the gradient is not finite (NonFiniteError, nothing applied). -> the norm before clipping"""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), max_grad_norm if max_grad_norm else math.inf).item()
+    overflow = not math.isfinite(grad_norm)           # float16: the scaler skips this step
+    if not math.isfinite(total_loss) or (overflow and not scaler.is_enabled()):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"the loss is {total_loss:.4g} and the gradient norm "
+                             f"{grad_norm:.4g}; the update was not applied")
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    return grad_norm
