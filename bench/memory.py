@@ -3,6 +3,7 @@
     python bench/memory.py run [-- tba.py flags]   # default: 2 steps of GSM8K, one searcher
     python bench/memory.py step [--repo DIR]       # one GSM8K-sized trainer step per option
     python bench/memory.py predict                 # the paper's recipe on a 1.1B Llama
+    python bench/memory.py arith [--reps N]        # arith's step: one pass or one group a pass
 
 `run` samples the memory of the trainer and every child process every 0.2 s and reports the
 peak of their sum and of each process, and the mean trainer step time. Two sums: of the
@@ -15,6 +16,13 @@ prompt + 256 response tokens, random ids) under each memory option, each in a fr
 and reports the peak RSS above the trainer's state (weights, gradients, AdamW moments): the
 activations and temporaries of the step. `--repo DIR` runs the plain step of another checkout
 (e.g. a `git worktree` of an older commit) for a before/after row.
+
+`arith` takes arith-sized trainer steps of SmolLM2-135M (B = 4 prompts of 60 tokens, K = 8
+completions of 32, random ids) in one process and one thread, the settings in turn: all groups in
+one pass without and with the freed heap handed back after the step (`give_back_freed_memory`),
+then 2 and 1 groups a pass (`--micro-groups`). Taking them in turn, N times, makes the time
+ratios fair on a busy machine. It reports the mean time (the first round is warm-up and left out),
+the highest RSS of the process during the step and the RSS it keeps after it.
 
 `predict` builds models of the paper's 1.1B Llama shape (TinyLlama: 22 layers, hidden 2048, MLP
 5632, 32 heads, 4 KV heads, vocab 32000) with random weights and 1 and 3 layers, measures the
@@ -107,6 +115,48 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
         trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, loss="tb",
                            temperature=1.0, micro_groups=None, max_grad_norm=1.0, **extra)
     return (time.time() - start) / steps, peak_rss() - state
+
+
+def arith(reps):
+    sys.path.insert(0, str(REPO))
+    import torch
+    import models
+    import trainer
+    from buffer import GroupBatch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, _ = models.load_model(models.DEFAULT_MODEL)
+    b, k, prompt_len, response_len, vocab = 4, 8, 60, 32, model.config.vocab_size
+    batch = GroupBatch(prompt_ids=torch.randint(3, vocab, (b, prompt_len)),
+                       prompt_mask=torch.ones(b, prompt_len, dtype=torch.long),
+                       response_ids=torch.randint(3, vocab, (b, k, response_len)),
+                       response_len=torch.full((b, k), response_len),
+                       reward=torch.randn(b, k), ref_logp=torch.zeros(b, k),
+                       version=torch.zeros(b, k, dtype=torch.long), prompt_index=torch.arange(b))
+    optimizer, scheduler = trainer.make_optimizer(model, 1e-9, 1000, 0, 0)
+    give_back = trainer.give_back_freed_memory
+    settings = {"all groups in one pass, freed heap kept": (None, lambda: None),
+                "all groups in one pass": (None, give_back),
+                "2 groups a pass": (2, give_back), "1 group a pass": (1, give_back)}
+    seconds, peaks = {name: [] for name in settings}, {name: [] for name in settings}
+    for rep in range(reps + 1):
+        for name, (micro_groups, after_step) in settings.items():
+            trainer.give_back_freed_memory = after_step
+            reset_peak_rss()
+            start = time.time()
+            trainer.train_step(model, optimizer, scheduler, batch, beta=0.2, temperature=0.7,
+                               micro_groups=micro_groups, max_grad_norm=1.0)
+            if rep:                                   # the first round warms up
+                seconds[name].append(time.time() - start)
+                peaks[name].append((peak_rss(), rss()))
+    print(f"| arith trainer step, one thread, {reps} rounds | s per step | ratio | peak RSS (GiB) "
+          "| RSS after (GiB) |\n| --- | --- | --- | --- | --- |")
+    first = statistics.mean(seconds[next(iter(settings))])
+    for name in settings:
+        mean = statistics.mean(seconds[name])
+        print(f"| {name} | {mean:.1f} ± {statistics.stdev(seconds[name]):.1f} | {mean / first:.3f} "
+              f"| {max(p for p, _ in peaks[name]) / GB:.2f} "
+              f"| {max(a for _, a in peaks[name]) / GB:.2f} |")
 
 
 def child(args):
@@ -216,7 +266,8 @@ def main():
         parser.add_argument("--sequences", type=int, default=1)
         return child(parser.parse_args(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["run", "step", "predict"])
+    parser.add_argument("what", choices=["run", "step", "predict", "arith"])
+    parser.add_argument("--reps", type=int, default=5, help="arith: rounds after the warm-up")
     parser.add_argument("--repo", type=Path, default=REPO,
                         help="step: measure the plain step of this checkout instead")
     parser.add_argument("--option", choices=list(OPTIONS), default="",
@@ -229,6 +280,8 @@ def main():
         run(sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else RUN_DEFAULT)
     elif args.what == "step":
         step(args.repo.resolve())
+    elif args.what == "arith":
+        arith(args.reps)
     else:
         predict(args.option)
 

@@ -81,13 +81,15 @@ class ArithTask(AnswerTask):
     # - Training each group once (max_reuse 1) instead of up to 4 times closed the one-searcher
     #   gap at β 0.05: 0.820 ± 0.081 against synchronous TB's 0.833 ± 0.209 and 0.638 ± 0.068
     #   with reuse 4, at the same staleness (~2 steps) and wall time (RESULTS.md, staleness).
+    # - micro_groups 1: one group a backward pass takes the trainer's peak from 5.0 to 3.8 GiB
+    #   in the same time (0.99× within a ±14% spread; bench/README.md, memory).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
                     steps=25, prompts_per_step=4, group_size=8, max_new_tokens=32,
                     temperature=0.7, beta=0.2, beta_final=0.2, beta_steps=0, lr=3e-5,
                     warmup_steps=5, decay_steps=10, eval_every=10, eval_n=128,
                     sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=4000,
-                    max_reuse=1, micro_groups=0, save_every=10)
+                    max_reuse=1, micro_groups=1, save_every=10)
 
     def examples(self, split):
         return make_splits(self.cfg.arith_digits, self.cfg.arith_steps, self.cfg.arith_ops)[split]
