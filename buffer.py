@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+import checkpoint
+
 REFERENCE = -1      # the version of a completion sampled by the frozen reference model
 
 
@@ -451,60 +453,11 @@ class ReplayBuffer:
         return state
 
     def load_state_dict(self, state: dict, max_version: int) -> None:
-        """Restore a `state_dict`, after checking that it could have come from this buffer with
-        weights up to `max_version` (the checkpoint's step): a file with the right shapes but
-        impossible values would otherwise be trained on, or crash a searcher much later."""
-        if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
-            raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
-                             "buffer of completions) and cannot be loaded: resume it with the "
-                             "tba of its time, or start the run again")
-        for name in self._FIELDS:
-            if name not in state:
-                raise ValueError(f"buffer state_dict is missing '{name}'")
-            want, got = getattr(self, name), state[name]
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-                raise ValueError(
-                    f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
-                    f"{_describe(want)} (capacity={self.capacity}, n_prompts={self.n_prompts}, "
-                    f"max_prompt_len={self.max_prompt_len}, "
-                    f"max_response_len={self.max_response_len})")
-        n_added = state.get("n_added")
-        if not isinstance(n_added, int) or n_added < 0:
-            raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
-        stored = state["prompt_index"] >= 0                                    # [C]
-        filled = {name: state[name][stored] for name in (
-            "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
-            "order", "draws")}
-        seen = state["prompt_len"][filled["prompt_index"].clamp(0, self.n_prompts - 1)]
-        rules = [  # (what is wrong, the offending values) for the stored completions
-            (f"versions outside [{REFERENCE}, {max_version}]",
-             filled["version"][(filled["version"] < REFERENCE) | (filled["version"] > max_version)]),
-            (f"prompt indices outside [0, {self.n_prompts})",
-             filled["prompt_index"][filled["prompt_index"] >= self.n_prompts]),
-            (f"prompt lengths outside [1, {self.max_prompt_len}]",
-             seen[(seen < 1) | (seen > self.max_prompt_len)]),
-            (f"response lengths outside [1, {self.max_response_len}]",
-             filled["response_len"][(filled["response_len"] < 1)
-                                    | (filled["response_len"] > self.max_response_len)]),
-            ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
-            ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
-            ("infinite behaviour log-probs", filled["behaviour_logp"][
-                filled["behaviour_logp"].isinf()]),
-            ("negative draw counts", filled["draws"][filled["draws"] < 0]),
-            (f"insertion orders outside [0, {n_added})",
-             filled["order"][(filled["order"] < 0) | (filled["order"] >= n_added)]),
-        ]
-        for problem, values in rules:
-            if values.numel():
-                raise ValueError(f"buffer state_dict holds {problem}: "
-                                 f"{values.flatten()[:3].tolist()}")
+        """Restore a `state_dict` of weights up to `max_version` (the checkpoint's step), once
+        `checkpoint.check_buffer_state` has found it possible."""
+        checkpoint.check_buffer_state(self, state, versions=(REFERENCE, max_version))
+        n_added = state["n_added"]
         with self._lock:
             for name in self._FIELDS:
                 getattr(self, name).copy_(state[name])
             self.n_added[0] = n_added
-
-
-def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {tuple(value.shape)}"
-    return type(value).__name__
