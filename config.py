@@ -129,12 +129,14 @@ class Config:
                            "leave-one-out, the on-policy baseline: needs --searchers 0, or "
                            "--rloo-off-policy); rloo-is (RLOO weighted by the truncated "
                            "importance ratio min(π/μ, --is-clip) of each completion: the "
-                           "off-policy baseline asynchronous RL trainers ship)",
-                     one_of("tb", "rloo", "rloo-is"))
+                           "off-policy baseline asynchronous RL trainers ship); vcpo "
+                           "(rloo-is with each step's learning rate times √(ESS/N) of the "
+                           "weights π/μ, VCPO, arXiv 2602.17616)",
+                     one_of("tb", "rloo", "rloo-is", "vcpo"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
                                         "or explorative groups, although it is an on-policy loss")
-    is_clip: float = flag(2.0, "rloo-is: C, the largest importance weight π/μ of a completion "
-                               "(slime and verl use 2, TBA-prime 8)", POSITIVE)
+    is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "
+                               "completion (slime and verl use 2, TBA-prime 8)", POSITIVE)
     beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
     beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
     beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",

@@ -232,8 +232,8 @@ def truncated_is_weights(logp, behaviour_logp, clip):
     weight of off-policy RLOO (slime, verl): unbiased below C, bounded variance above it.
     logp, behaviour_logp: [B, K] log π and log μ summed over each response.       -> [B, K]"""
     if behaviour_logp is None or behaviour_logp.isnan().any():
-        raise ValueError("--loss rloo-is needs the behaviour log-probs log μ of every group, "
-                         "and this batch has none: train it with --loss tb")
+        raise ValueError("--loss rloo-is and vcpo need the behaviour log-probs log μ of every "
+                         "group, and this batch has none: train it with --loss tb")
     return (logp.detach() - behaviour_logp).exp().clamp(max=clip)             # [B, K]
 
 
@@ -254,7 +254,19 @@ def off_policy_metrics(logp, behaviour_logp, keep=None):
             "ess_frac": (log_ess.exp() / log_ratio.numel()).item()}
 
 
-LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss}
+def ess_step_scale(off_policy):
+    """VCPO's step size for stale data (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled
+    Off-Policy RL for LLMs", arXiv 2602.17616): the learning rate times √(min(1, ESS/N)), from
+    the batch's untruncated sequence weights π/μ. Their diagnosis: as data gets stale, a few
+    completions carry most of the weight, the gradient estimate is the mean of fewer samples
+    than it seems, and its variance grows like N/ESS; AdamW's step should shrink with the
+    square root of the batch it effectively saw. Only their first remedy: their second, a
+    baseline weighted by each completion's gradient norm, needs one backward pass per completion.
+    off_policy: `off_policy_metrics` of the batch (no "ess_frac": nothing recorded, scale 1)."""
+    return math.sqrt(min(1.0, off_policy.get("ess_frac", 1.0)))
+
+
+LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss, "vcpo": rloo_loss}
 
 
 def beta_at(step, beta, beta_final, beta_steps):
@@ -312,7 +324,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     extra forward pass buys a memory that no longer grows with K.
     Forward passes run under autocast to `dtype` over the float32 weights (see `models.autocast`);
     `scaler` (a GradScaler) scales float16 losses, whose small gradients would underflow.
-    `loss` "rloo-is" weights RLOO by min(π/μ, `is_clip`) from the batch's behaviour log-probs.
+    `loss` "rloo-is" weights RLOO by min(π/μ, `is_clip`) from the batch's behaviour log-probs;
+    "vcpo" does the same and scales this step's learning rate by `ess_step_scale`.
     The model stays in eval mode: dropout would make the trained log-probs differ from the
     sampled ones.
     A NaN or infinite loss or gradient norm raises NonFiniteError *before* the optimiser step:
@@ -333,18 +346,21 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         logps.append(logp)                                                     # [n, K]
         if log_z is not None:
             log_zs.append(log_z)                                               # [n]
-    grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
-                             max_grad_norm=max_grad_norm)
-    give_back_freed_memory()
     logp, kept = torch.cat(logps), batch.kept()                                # [B, K], [B, K]
+    off_policy = (off_policy_metrics(logp, batch.behaviour_logp, batch.keep)
+                  if batch.behaviour_logp is not None else {})
+    lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
+    grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
+                             max_grad_norm=max_grad_norm, lr_scale=lr_scale)
+    give_back_freed_memory()
     return {
         "loss": total_loss,
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
         "kl": (logp - batch.ref_logp)[kept].mean().item(),
         "reward_mean": batch.reward[kept].mean().item(),
         "grad_norm": grad_norm,
-        **(off_policy_metrics(logp, batch.behaviour_logp, batch.keep)
-           if batch.behaviour_logp is not None else {}),
+        **off_policy,
+        **({"lr_scale": lr_scale} if loss == "vcpo" else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
 
@@ -368,7 +384,7 @@ def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature
         if size < n * k:
             logp = torch.cat([held[:s], logp, held[s + size:]])                 # [n·K]
         extra = {} if batch.keep is None else {"keep": batch.keep[part]}
-        if loss == "rloo-is":
+        if loss in ("rloo-is", "vcpo"):
             extra["is_weight"] = truncated_is_weights(
                 logp.view(n, k), batch.behaviour_logp[part], is_clip)          # [n, K]
         out = LOSSES[loss](logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
@@ -391,9 +407,11 @@ def give_back_freed_memory():
         LIBC.malloc_trim(0)
 
 
-def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_norm):
+def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_norm, lr_scale=1.0):
     """Clip the accumulated gradient and take the optimiser and schedule steps, unless the loss
-    or the gradient is not finite (NonFiniteError, nothing applied). -> the norm before clipping"""
+    or the gradient is not finite (NonFiniteError, nothing applied). The optimiser step is taken
+    at the schedule's learning rate times `lr_scale`, the schedule itself left as it was.
+    -> the norm before clipping"""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_grad_norm if max_grad_norm else math.inf).item()
@@ -402,7 +420,12 @@ def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_no
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(f"the loss is {total_loss:.4g} and the gradient norm "
                              f"{grad_norm:.4g}; the update was not applied")
+    scheduled_lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] *= lr_scale
     scaler.step(optimizer)
+    for group, lr in zip(optimizer.param_groups, scheduled_lrs):
+        group["lr"] = lr
     scaler.update()
     scheduler.step()
     return grad_norm

@@ -1,7 +1,7 @@
 """Accuracy against staleness: trajectory balance and off-policy RLOO at an exact policy lag.
 
-    python bench/lag.py arith                 # TB, RLOO+IS at L = 0 4 16, seeds 0 1 2
-    python bench/lag.py toy                   # TB, RLOO, RLOO+IS at L = 0 32 128, seeds 0 1 2
+    python bench/lag.py arith                 # TB, RLOO+IS, VCPO at L = 0 4 16, seeds 0 1 2
+    python bench/lag.py toy                   # TB, RLOO, RLOO+IS, VCPO at L = 0 32 128
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
 
@@ -12,6 +12,7 @@ the table shows what staleness alone costs each loss, free of replay and of proc
   tb        trajectory balance (`trainer.tb_loss`)
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
   rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
+  vcpo      rloo-is with each step's learning rate times √(ESS/N) (`trainer.ess_step_scale`)
 arith runs at β = 0.05, the TRL comparison's setting (bench/vs_trl.py), whose tba-sync runs are
 TB at L = 0: a folder of those (`--reuse DIR`) is copied in instead of being run again.
 
@@ -36,10 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 TASKS = {
-    "arith": dict(flags=["--beta", "0.05", "--beta-final", "0.05"], losses=("tb", "rloo-is"),
-                  lags=(16, 4, 0), metric="eval/accuracy", better="higher"),
-    "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is"), lags=(128, 32, 0), metric="toy/tv",
-                better="lower"),
+    "arith": dict(flags=["--beta", "0.05", "--beta-final", "0.05"],
+                  losses=("tb", "rloo-is", "vcpo"), lags=(16, 4, 0), metric="eval/accuracy",
+                  better="higher"),
+    "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is", "vcpo"), lags=(128, 32, 0),
+                metric="toy/tv", better="lower"),
 }
 
 

@@ -87,7 +87,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--max-reuse", "-1"], "--max-reuse must be at least 0"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0"),
     (["--seed", "-1"], "--seed must be in [0, 4294967295]"),
-    (["--loss", "ppo"], "--loss must be one of tb, rloo, rloo-is"),
+    (["--loss", "ppo"], "--loss must be one of tb, rloo, rloo-is, vcpo"),
     (["--is-clip", "0"], "--is-clip must be greater than 0 (got 0.0)"),   # no weight at all
     (["--is-clip", "-2"], "--is-clip must be greater than 0"),
     (["--lag", "-1"], "--lag must be at least 0 (got -1)"),

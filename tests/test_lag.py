@@ -57,9 +57,9 @@ def test_truncated_is_weights_by_hand():
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, math.exp(-1)]]))
     w = trainer.truncated_is_weights(logp, behaviour_logp, clip=8.0)
     assert torch.allclose(w, torch.tensor([[1.0, math.e, math.exp(-1)]]))
-    with pytest.raises(ValueError, match="needs the behaviour log-probs"):
+    with pytest.raises(ValueError, match="need the behaviour log-probs"):
         trainer.truncated_is_weights(logp, None, clip=2.0)
-    with pytest.raises(ValueError, match="needs the behaviour log-probs"):
+    with pytest.raises(ValueError, match="need the behaviour log-probs"):
         trainer.truncated_is_weights(logp, torch.full((1, 3), math.nan), clip=2.0)
 
 
@@ -94,6 +94,53 @@ def test_ess_and_log_ratio_by_hand():
     unknown = torch.tensor([[math.nan, 0.0], [0.0, -1000.0]])
     m = trainer.off_policy_metrics(logp, unknown)
     assert m["ess_frac"] == pytest.approx(1 / 3)
+
+
+def test_vcpo_takes_the_rloo_is_step_times_root_ess():
+    """--loss vcpo: the loss and gradient of rloo-is, and an optimiser step at the learning
+    rate times √(ESS/N), ESS of the untruncated weights π/μ; the schedule's rate is kept for
+    the next step. Behaviour log-probs set to log π + known offsets make the weights known:
+    w = 1, 1, …, e^-2, e^2 (the last truncated to 2 in the loss, not in ESS)."""
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer))
+    torch.manual_seed(1)
+    ids, mask, response_ids, response_len = models.generate(
+        model, tokenizer, [[1], [4, 2]], num_samples=6, max_new_tokens=5)
+    reward = (response_len.float() / 5) + (response_ids[..., 0] == 1).float()        # [2, 6]
+    batch = GroupBatch(ids, mask, response_ids, response_len, reward=reward,
+                       ref_logp=torch.zeros(2, 6), version=torch.zeros(2, dtype=torch.long),
+                       prompt_index=torch.arange(2))
+    with torch.no_grad():
+        logp = trainer.group_logprobs(model, batch).view(2, 6)                        # [2, 6]
+    offset = torch.zeros(2, 6)
+    offset[1, 4], offset[1, 5] = 2.0, -2.0                   # w = π/μ = e^-2 and e^2
+    batch.behaviour_logp = logp + offset
+    w = (-offset).exp().flatten()                                                    # [12]
+    ess_frac = (w.sum() ** 2 / (w ** 2).sum() / 12).item()    # 0.396
+    start = torch.cat([p.flatten() for p in model.parameters()])
+    steps, stats = {}, {}
+    for loss, lr in (("vcpo", 0.1), ("rloo-is", 0.1 * math.sqrt(ess_frac))):
+        policy = copy.deepcopy(model)
+        # plain SGD, so parameters move by exactly lr · gradient
+        optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        stats[loss] = trainer.train_step(policy, optimizer, scheduler, batch, beta=0.5,
+                                         loss=loss, is_clip=2.0, micro_groups=1)
+        steps[loss] = torch.cat([p.flatten() for p in policy.parameters()]) - start
+        assert optimizer.param_groups[0]["lr"] == lr            # the schedule's rate, kept
+    assert stats["vcpo"]["ess_frac"] == pytest.approx(ess_frac, rel=1e-4)
+    assert stats["vcpo"]["lr_scale"] == pytest.approx(math.sqrt(ess_frac), rel=1e-4)
+    assert "lr_scale" not in stats["rloo-is"]
+    # the loss by hand: −mean over groups of Σ_k w_k·A_k·log π_k / K, w truncated at 2
+    is_weight = (-offset).exp().clamp(max=2.0)
+    expected = trainer.rloo_loss(logp, batch.ref_logp, reward, 0.5, is_weight=is_weight)
+    assert stats["vcpo"]["loss"] == pytest.approx(expected.item(), rel=1e-4)
+    assert stats["vcpo"]["loss"] == pytest.approx(stats["rloo-is"]["loss"], rel=1e-6)
+    assert steps["vcpo"].abs().max() > 1e-4
+    torch.testing.assert_close(steps["vcpo"], steps["rloo-is"], rtol=1e-4, atol=1e-8)
+    # on-policy data (ESS/N = 1) takes the full step
+    assert trainer.ess_step_scale(trainer.off_policy_metrics(logp, logp)) == pytest.approx(1.0)
+    assert trainer.ess_step_scale({}) == 1.0
 
 
 def lagged_source(lag, out):
