@@ -358,11 +358,25 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
         "kl": (logp - batch.ref_logp)[kept].mean().item(),
         "reward_mean": batch.reward[kept].mean().item(),
+        # what may move before learning falls: how sure the policy is of its own samples (the
+        # mean sequence log π, an entropy estimate), how long they are, how many groups teach
+        # RLOO nothing (every reward equal: TB still learns the KL part from them)
+        "logp_mean": logp[kept].mean().item(),
+        "response_len_mean": batch.response_len[kept].float().mean().item(),
+        "equal_reward_frac": equal_reward_frac(batch.reward, kept),
         "grad_norm": grad_norm,
         **off_policy,
         **({"lr_scale": lr_scale} if loss == "vcpo" else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
+
+
+def equal_reward_frac(reward, kept):
+    """The share of groups whose kept completions all have one reward.
+    reward: [B, K] float; kept: [B, K] bool                                          -> float"""
+    highest = torch.where(kept, reward, -math.inf).amax(1)                     # [B]
+    lowest = torch.where(kept, reward, math.inf).amin(1)                       # [B]
+    return (highest == lowest).float().mean().item()
 
 
 def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,

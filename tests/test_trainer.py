@@ -375,3 +375,23 @@ def test_a_group_drawn_short_costs_nothing_for_its_padding(monkeypatch):
                                 for p, q in zip(trained.parameters(), model.parameters())]))
     assert steps[0].abs().max() > 1e-5
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-7)
+
+
+def test_step_metrics_by_hand():
+    """The metrics of what was trained on count the kept completions only: mean log π (the
+    trusted per-sequence log-probs before the step), mean response length, and the share of
+    groups whose kept rewards are all equal (group 0 equal but for its padding, group 2 equal)."""
+    model = tiny_llama()
+    batch = random_batch(24)
+    batch.keep = torch.tensor([[True, True, False, False], [True] * 4, [True, True, True, False]])
+    batch.reward = torch.tensor([[1.0, 1.0, 5.0, 0.0], [0.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 9.0]])
+    kept = batch.keep.flatten()
+    with torch.no_grad():
+        expected_logp = plain_logprobs(model, batch)[kept].mean().item()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stats = train_step(model, optimizer, scheduler, batch, beta=0.5)
+    assert stats["logp_mean"] == pytest.approx(expected_logp, rel=1e-4)
+    assert stats["response_len_mean"] == pytest.approx(
+        batch.response_len.flatten()[kept].float().mean().item())
+    assert stats["equal_reward_frac"] == pytest.approx(2 / 3)
