@@ -4,6 +4,7 @@
     python bench/lag.py toy                   # TB, RLOO, RLOO+IS, VCPO at L = 0 32 128
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
+    python bench/lag.py arith --steps 100     # longer runs, in runs/bench-lag-arith-100
 
 Every run is `python tba.py --task TASK --lag L --loss LOSS --seed S` plus the task's flags
 below: the synchronous loop, whose groups are sampled by the policy as it was exactly L updates
@@ -23,7 +24,8 @@ one core (tba then uses one thread). The trained models and --lag's weight files
 after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
-through the seeds' mean and a dot per seed (settings with every seed finished only).
+through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
+it the metric against step, a line per loss and lag.
 """
 import argparse
 import json
@@ -62,10 +64,10 @@ def finished(run_dir, steps):
     return bool(evals) and evals[-1]["step"] == steps and len(train) == steps
 
 
-def flags(task, loss, lag, seed):
+def flags(task, loss, lag, seed, steps):
     uncorrected = ["--rloo-off-policy"] if loss == "rloo" else []    # on stale data, as asked
     return ["--task", task, "--searchers", "0", "--lag", str(lag), "--loss", loss, "--seed",
-            str(seed), *uncorrected, *TASKS[task]["flags"]]
+            str(seed), "--steps", str(steps), *uncorrected, *TASKS[task]["flags"]]
 
 
 def run_all(todo, lanes):
@@ -110,7 +112,7 @@ def report(task, runs, seeds, steps, plot_to):
           f"flags {' '.join(spec['flags']) or '(task defaults)'}\n")
     print(f"| loss | L | final {metric} | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
     print("|---|---|---|---|---|---|---|")
-    finals = {}
+    finals, curves = {}, {}
     for loss in spec["losses"]:
         for lag in sorted(spec["lags"]):
             done = [folder(runs, loss, lag, s) for s in seeds
@@ -124,7 +126,8 @@ def report(task, runs, seeds, steps, plot_to):
             for _, evals in data:
                 for e in evals:
                     by_step.setdefault(e["step"], []).append(e[metric])
-            curve = " ".join(f"{s}: {statistics.mean(v):.3f}" for s, v in sorted(by_step.items()))
+            curves[(loss, lag)] = {s: statistics.mean(v) for s, v in sorted(by_step.items())}
+            curve = " ".join(f"{s}: {v:.3f}" for s, v in curves[(loss, lag)].items())
             ess = [statistics.mean(r["ess_frac"] for r in t) for t, _ in data if "ess_frac" in t[0]]
             ratio = [statistics.mean(r["log_ratio_mean"] for r in t) for t, _ in data
                      if "log_ratio_mean" in t[0]]
@@ -135,7 +138,7 @@ def report(task, runs, seeds, steps, plot_to):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig, (ax, by_step_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
         for loss in spec["losses"]:
             points = sorted((lag, v) for (lo, lag), v in finals.items()
                             if lo == loss and len(v) == len(seeds))     # complete settings only
@@ -144,10 +147,17 @@ def report(task, runs, seeds, steps, plot_to):
                                 [statistics.mean(v) for _, v in points], marker="o", label=loss)
                 ax.scatter([lag for lag, v in points for _ in v], [x for _, v in points for x in v],
                            color=line.get_color(), alpha=0.4, s=14)
+        for (loss, lag), curve in curves.items():   # the mean over the finished seeds
+            by_step_ax.plot(list(curve), list(curve.values()), marker=".",
+                            label=f"{loss}, L = {lag}")
         ax.set_xlabel("policy lag L (updates)")
         ax.set_ylabel(f"final {metric}")
         ax.set_title(f"{task}: mean over {len(seeds)} seeds (dots: each seed)")
         ax.legend()
+        by_step_ax.set_xlabel("step")
+        by_step_ax.set_ylabel(metric)
+        by_step_ax.set_title("by evaluation, mean over the finished seeds")
+        by_step_ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(plot_to, dpi=120)
         print(f"\nplot: {plot_to}")
@@ -160,7 +170,10 @@ def main(argv=None):
     parser.add_argument("--lags", type=int, nargs="+", help="default: the task's")
     parser.add_argument("--losses", nargs="+", help="default: the task's")
     parser.add_argument("--lanes", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--runs", type=Path, help="default: runs/bench-lag-TASK")
+    parser.add_argument("--runs", type=Path, help="default: runs/bench-lag-TASK, with "
+                        "-STEPS when --steps is given")
+    parser.add_argument("--steps", type=int, help="trainer steps of every run (default: the "
+                        "task's; its schedule's warm-up and decay stay as they are)")
     parser.add_argument("--reuse", type=Path, help="arith: a bench/vs_trl.py folder whose "
                         "tba-sync-sN runs are TB at L = 0 (the same command)")
     parser.add_argument("--plot", type=Path, help="PNG of final metric against lag")
@@ -169,16 +182,17 @@ def main(argv=None):
     spec = TASKS[args.task]
     spec["lags"] = tuple(args.lags or spec["lags"])
     spec["losses"] = tuple(args.losses or spec["losses"])
-    runs = args.runs or REPO / "runs" / f"bench-lag-{args.task}"
     sys.path.insert(0, str(REPO))
     import tasks
-    steps = tasks.task_class(args.task).defaults["steps"]
+    steps = args.steps or tasks.task_class(args.task).defaults["steps"]
+    runs = args.runs or REPO / "runs" / (f"bench-lag-{args.task}"
+                                         + (f"-{steps}" if args.steps else ""))
     if args.reuse:
         for seed in args.seeds:
             source, target = args.reuse / f"tba-sync-s{seed}", folder(runs, "tb", 0, seed)
             if finished(source, steps) and not finished(target, steps):
                 shutil.copytree(source, target, dirs_exist_ok=True)
-    todo = [(flags(args.task, loss, lag, seed), folder(runs, loss, lag, seed))
+    todo = [(flags(args.task, loss, lag, seed, steps), folder(runs, loss, lag, seed))
             for lag in spec["lags"] for seed in args.seeds for loss in spec["losses"]]
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
