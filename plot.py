@@ -1,7 +1,8 @@
 """Curves of one run, or of several overlaid: `python tba.py plot runs/a [runs/b ...]`.
 
 Reads each run's metrics.jsonl and writes two PNGs, the same panels against trainer step and
-against wall time: the training signals (reward, loss, log Ẑ, KL, staleness), the task's own
+against wall time: the training signals (reward, loss, log Ẑ, KL, staleness, and what may move
+before learning falls: ESS/N, gradient norm, log π of the samples, length), the task's own
 training-row metrics (`redteam/success_rate`, ...) and every metric the task's evaluation logged
 (`eval/accuracy`, `toy/tv`, ...). Wall time is how asynchronous and
 synchronous runs are compared: the same curve reached sooner. matplotlib is only needed here.
@@ -12,7 +13,12 @@ import sys
 from pathlib import Path
 
 TRAINING_PANELS = {"reward_mean": "mean reward", "loss": "loss", "log_z": "log Ẑ",
-                   "kl": "KL: mean log p_θ − log p_ref", "staleness_mean": "staleness (steps)"}
+                   "kl": "KL: mean log p_θ − log p_ref", "staleness_mean": "staleness (steps)",
+                   "ess_frac": "ESS/N of the weights π/μ",
+                   "grad_norm": "gradient norm before clipping",
+                   "logp_mean": "mean log π of the trained completions",
+                   "response_len_mean": "mean response length (tokens)",
+                   "equal_reward_frac": "share of groups with one reward"}
 NOT_PLOTTED = {"step", "time", "eval/n"}
 
 
