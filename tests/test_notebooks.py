@@ -12,7 +12,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-import buffer  # noqa: E402
+import draws  # noqa: E402
 import trainer  # noqa: E402
 from tasks.answers import extract_answer  # noqa: E402
 
@@ -83,7 +83,7 @@ def last_integer(text):
 
 GRADERS = {
     "tb_loss": (grader.grade_tb_loss, trainer.tb_loss, [not_implemented, tb_loss_one_log_z]),
-    "priority": (grader.grade_priority, buffer.priority_weights, [not_implemented, unshifted]),
+    "priority": (grader.grade_priority, draws.priority_weights, [not_implemented, unshifted]),
     "extractor": (grader.grade_extractor, extract_answer, [not_implemented, last_integer]),
 }
 

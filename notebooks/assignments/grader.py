@@ -8,7 +8,7 @@ tests/test_tasks.py), puts the student's function where the project's own one wo
 the tests that concern it, and adds a few checks of its own. A check passes when it returns;
 any exception (a failed assert, NotImplementedError, a wrong shape) fails it.
 
-The reference solutions are the project's code: `trainer.tb_loss`, `buffer.priority_weights` and
+The reference solutions are the project's code: `trainer.tb_loss`, `draws.priority_weights` and
 `tasks.answers.extract_answer`. Each scores full marks; tests/test_notebooks.py checks that, and
 that a stub scores less.
 """
@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-import buffer  # noqa: E402
+import draws  # noqa: E402
 import trainer  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def grade_priority(fn):
     def in_the_buffer(check):
         """`check`, run while the project's buffer draws with `fn`."""
         def swapped_check():
-            with swapped(buffer, "priority_weights", fn):     # what ReplayBuffer.sample calls
+            with swapped(draws, "priority_weights", fn):      # what ReplayBuffer.sample calls
                 check()
         return swapped_check
 
