@@ -1,7 +1,8 @@
-"""TB synchronous and asynchronous against RLOO on a real task, same trained samples, several seeds.
+"""TB sync and async against RLOO, or against its own variants, on a real task, several seeds.
 
     python bench/compare.py redteam   [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
     python bench/compare.py summarize [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
+    python bench/compare.py arith --lanes 2 --settings tb-sync tb-sync-lr1e-5   # 100-step runs
 
 Each setting is `python tba.py --task TASK` with the task's defaults plus a few flags, run with
 every seed. Settings:
@@ -12,25 +13,54 @@ every seed. Settings:
                    own β is not run: on one on-policy batch its gradient is (β/2)·K/(K−1) times
                    TB's, so after clipping and Adam it is the same run as tb-sync (weights within
                    3e-6 after 30 red-teaming steps). KL-regularised RL is usually run weaker.
+arith runs 100 steps (learning that lasts: does accuracy hold after its best?), from today's
+defaults and one change each:
+  tb-sync-lr1e-5   --lr 1e-5, a third of the default: smaller steps
+  tb-sync-temp1    --temperature 1: sample from π itself, the distribution TB's loss trains
+                   (at 0.7 the samples are sharper than π, and a collapsed policy's groups of
+                   identical completions give TB zero loss and no gradient)
+  tb-sync-ref0.25  --reference-frac 0.25: a quarter of the groups sampled by the frozen
+                   reference, which keeps showing the loss what the policy dropped
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
-Runs go one after the other, seed by seed (so that a stopped bench has every setting for the
-first seeds), each in its own process; a finished run in --runs is not run again, so the script
-can be stopped and restarted. Then it prints each metric as mean ± standard deviation over the
-seeds [min–max], and `--plot` draws the task's progress metric of every run against wall time.
+Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
+own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
+run in --runs (its last evaluation logged) is not run again, so the script can be stopped and
+restarted; the trained models are deleted (the figures are in metrics.jsonl). Then it prints
+each metric as mean ± standard deviation over the seeds [min–max], and `--plot` draws the task's
+progress metric of every run against wall time (arith: against step).
 """
 import argparse
+import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import plot  # noqa: E402
+from lag import finished, run_all, summary  # noqa: E402  the lag bench's runner and report
 
 SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]
 CHECKPOINTS_S = (120, 240, 360)           # "so far" at these wall times
 SUMMARIZE_CHECKPOINTS_S = (240, 360)      # its evaluations come ~3 min apart
+
+
+def largest_fall(evals, key, after):
+    """The most an evaluation after step `after` lies below the best one before it (0: none)."""
+    best, fall = -float("inf"), 0.0
+    for e in evals:
+        if e["step"] > after:
+            fall = max(fall, best - e[key])
+        best = max(best, e[key])
+    return fall
+
+
+def at_step(rows, step):
+    return next(r for r in rows if r["step"] == step)
+
+
+def last_mean(rows, key, n):
+    return statistics.mean(r[key] for r in rows[-n:])
 
 
 def last_before(rows, key, seconds):
@@ -40,6 +70,21 @@ def last_before(rows, key, seconds):
 
 
 TASKS = {
+    "arith": dict(
+        common=["--steps", "100"],
+        settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr1e-5": [*SYNC, "--lr", "1e-5"],
+                  "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
+                  "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"]},
+        columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
+                 "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
+                 "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),
+                 "fall": ("largest fall after step 25 below the best so far", 3,
+                          lambda t, e: largest_fall(e, "eval/accuracy", 25)),
+                 "kl": ("KL, last 10 steps", 2, lambda t, e: last_mean(t, "kl", 10)),
+                 "logp": ("log π of the samples, last 10", 2, lambda t, e: last_mean(t, "logp_mean", 10)),
+                 "equal": ("groups of equal rewards, last 10", 2,
+                           lambda t, e: last_mean(t, "equal_reward_frac", 10))},
+        curve=("eval", "eval/accuracy", "greedy accuracy"), curve_x="step"),
     "redteam": dict(
         settings={"tb-sync": SYNC, "tb-async": ASYNC,
                   "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"]},
@@ -78,21 +123,10 @@ TASKS = {
 }
 
 
-def run(task, setting, seed, out):
-    if (out / "final").is_dir():
-        return
-    spec = TASKS[task]
-    done = subprocess.run([sys.executable, "tba.py", "--task", task, *spec.get("common", []),
-                           *spec["settings"][setting],
-                           "--seed", str(seed), "--quiet", "--out", str(out)], cwd=REPO)
-    if done.returncode:
-        sys.exit(f"error: the {setting} run with seed {seed} failed (exit {done.returncode})")
-
-
-def spread(values, digits):
-    mean = statistics.mean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+def done(out):
+    """A run whose last evaluation (at the step its config.json says it ends) is logged."""
+    config = out / "config.json"
+    return config.is_file() and finished(out, json.loads(config.read_text())["config"]["steps"])
 
 
 def draw(task, runs, path):
@@ -100,15 +134,16 @@ def draw(task, runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows_kind, key, label = TASKS[task]["curve"]
+    x = TASKS[task].get("curve_x", "time")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for i, (setting, outs) in enumerate(runs.items()):
         for j, out in enumerate(outs):
             train_rows, eval_rows = plot.read_metrics(out)
             rows = train_rows if rows_kind == "train" else eval_rows
-            ax.plot([r["time"] for r in rows], [r[key] for r in rows], color=f"C{i}",
+            ax.plot([r[x] for r in rows], [r[key] for r in rows], color=f"C{i}",
                     label=setting if j == 0 else None, linewidth=1.2,
                     marker="o" if rows_kind == "eval" else None, markersize=3)
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel("wall time (s)" if x == "time" else x)
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -124,6 +159,10 @@ def main():
                         help="default: every setting of the task")
     parser.add_argument("--runs", default="", help="folder for the runs (default runs/bench-TASK)")
     parser.add_argument("--plot", default="", help="write the progress-over-time plot here (.png)")
+    parser.add_argument("--lanes", type=int, choices=(1, 2), default=1,
+                        help="runs at once (2: each pinned to one core)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs: the table (and plot) of the finished ones")
     args = parser.parse_args()
     spec = TASKS[args.task]
     settings = args.settings or list(spec["settings"])
@@ -132,16 +171,19 @@ def main():
         parser.error(f"{args.task} has no setting {unknown[0]}: pick from {', '.join(spec['settings'])}")
     folder = Path(args.runs or f"runs/bench-{args.task}")
     runs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in settings}
-    for seed_index in range(len(args.seeds)):
-        for setting, outs in runs.items():
-            run(args.task, setting, args.seeds[seed_index], outs[seed_index])
+    todo = [(["--task", args.task, *spec.get("common", []), *spec["settings"][setting],
+              "--seed", str(seed)], outs[i])
+            for i, seed in enumerate(args.seeds) for setting, outs in runs.items() if not done(outs[i])]
+    run_all([] if args.report_only else todo, args.lanes)
+    runs = {setting: [out for out in outs if done(out)] for setting, outs in runs.items()}
     columns = spec["columns"].values()
-    print(f"| setting ({len(args.seeds)} seeds) | " + " | ".join(c[0] for c in columns)
-          + " |\n|" + " --- |" * (len(columns) + 1))
+    print(f"| setting (seeds {' '.join(map(str, args.seeds))}) | "
+          + " | ".join(c[0] for c in columns) + " |\n|" + " --- |" * (len(columns) + 1))
     for setting, outs in runs.items():
         data = [plot.read_metrics(out) for out in outs]
-        print(f"| {setting} | " + " | ".join(spread([value(t, e) for t, e in data], digits)
-                                            for _, digits, value in columns) + " |")
+        if data:
+            print(f"| {setting} | " + " | ".join(summary([value(t, e) for t, e in data], digits)
+                                                for _, digits, value in columns) + " |")
     if args.plot:
         draw(args.task, runs, args.plot)
         print(f"\n{args.plot}")
