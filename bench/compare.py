@@ -16,9 +16,10 @@ every seed. Settings:
 arith runs 100 steps (learning that lasts: does accuracy hold after its best?), from today's
 defaults and one change each:
   tb-sync-lr1e-5   --lr 1e-5, a third of the default: smaller steps
-  tb-sync-temp1    --temperature 1: sample from π itself, the distribution TB's loss trains
-                   (at 0.7 the samples are sharper than π, and a collapsed policy's groups of
-                   identical completions give TB zero loss and no gradient)
+  tb-sync-temp1    --temperature 1: the policy and the reference are the model's softmax at
+                   temperature 1, not 0.7 (both sample and score at --temperature): a broader
+                   reference, so a broader target, and logits that move the samples 1/0.7
+                   times less per step
   tb-sync-ref0.25  --reference-frac 0.25: a quarter of the groups sampled by the frozen
                    reference, which keeps showing the loss what the policy dropped
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
