@@ -26,7 +26,8 @@ summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than floa
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
 run in --runs (its last evaluation logged) is not run again, so the script can be stopped and
-restarted; the trained models are deleted (the figures are in metrics.jsonl). Then it prints
+restarted (an unfinished arith run resumes from its checkpoint of every 10 steps); the trained
+models are deleted (the figures are in metrics.jsonl). Then it prints
 each metric as mean ± standard deviation over the seeds [min–max], and `--plot` draws the task's
 progress metric of every run against wall time (arith: against step).
 """
@@ -72,7 +73,7 @@ def last_before(rows, key, seconds):
 
 TASKS = {
     "arith": dict(
-        common=["--steps", "100"],
+        common=["--steps", "100"], save_every=10,      # a run stopped part-way resumes
         settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr1e-5": [*SYNC, "--lr", "1e-5"],
                   "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
                   "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"]},
@@ -175,7 +176,7 @@ def main():
     todo = [(["--task", args.task, *spec.get("common", []), *spec["settings"][setting],
               "--seed", str(seed)], outs[i])
             for i, seed in enumerate(args.seeds) for setting, outs in runs.items() if not done(outs[i])]
-    run_all([] if args.report_only else todo, args.lanes)
+    run_all([] if args.report_only else todo, args.lanes, save_every=spec.get("save_every", 0))
     runs = {setting: [out for out in outs if done(out)] for setting, outs in runs.items()}
     columns = spec["columns"].values()
     print(f"| setting (seeds {' '.join(map(str, args.seeds))}) | "

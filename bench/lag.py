@@ -70,23 +70,30 @@ def flags(task, loss, lag, seed, steps):
             str(seed), "--steps", str(steps), *uncorrected, *TASKS[task]["flags"]]
 
 
-def run_all(todo, lanes):
+def run_all(todo, lanes, save_every=0):
     """Run `python tba.py FLAGS --out OUT` for each (FLAGS, OUT) of `todo`, `lanes` at a time
-    (each on its own core with `taskset` when 2), without checkpoints; the trained model and
-    --lag's weight files are deleted when a run ends. Also used by bench/explore.py."""
+    (each on its own core with `taskset` when 2). With `save_every` 0, no checkpoints and an
+    unfinished run starts again; else a checkpoint every `save_every` steps (the newest kept),
+    and a run stopped part-way resumes from it (`tba.py --resume`: a synchronous run resumed
+    is the run that never stopped). The trained model, --lag's weight files and the checkpoints
+    are deleted when a run ends. Also used by bench/explore.py and bench/compare.py."""
     todo, running = list(todo), {}                     # lane -> (Popen, out, log)
     while todo or running:
         for lane in range(lanes):
             if lane not in running and todo:
                 run_flags, out = todo.pop(0)
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir(parents=True)
-                log = open(out.parent / f"{out.name}.log", "w")
-                print(f"start {out.name}" + (f" on core {lane}" if lanes > 1 else ""), flush=True)
+                resume = save_every and any((out / "checkpoints").glob("step_*"))
+                if not resume:
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir(parents=True)
+                log = open(out.parent / f"{out.name}.log", "a" if resume else "w")
+                print(("resume " if resume else "start ") + out.name
+                      + (f" on core {lane}" if lanes > 1 else ""), flush=True)
                 pin = ["taskset", "-c", str(lane)] if lanes > 1 else []
+                what = ["--resume", str(out)] if resume else [*run_flags, "--out", str(out)]
                 running[lane] = (subprocess.Popen(
-                    [*pin, sys.executable, "tba.py", *run_flags, "--save-every", "0",
-                     "--device", "cpu", "--quiet", "--out", str(out)],
+                    [*pin, sys.executable, "tba.py", *what, "--save-every", str(save_every),
+                     "--keep-checkpoints", "1", "--device", "cpu", "--quiet"],
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT), out, log)
         time.sleep(2)
         for lane, (proc, out, log) in list(running.items()):
@@ -94,8 +101,9 @@ def run_all(todo, lanes):
                 log.close()
                 del running[lane]
                 print(f"done {out.name}: exit {proc.returncode}", flush=True)
-                for kept in ("final", "lag"):      # the trained model, --lag's old weights
-                    shutil.rmtree(out / kept, ignore_errors=True)
+                if proc.returncode == 0:   # the model, --lag's old weights, the checkpoints
+                    for kept in ("final", "lag", "checkpoints"):
+                        shutil.rmtree(out / kept, ignore_errors=True)
 
 
 def summary(values, digits=3):
