@@ -101,9 +101,9 @@ def run_all(todo, lanes, save_every=0):
                 log.close()
                 del running[lane]
                 print(f"done {out.name}: exit {proc.returncode}", flush=True)
-                if proc.returncode == 0:   # the model, --lag's old weights, the checkpoints
-                    for kept in ("final", "lag", "checkpoints"):
-                        shutil.rmtree(out / kept, ignore_errors=True)
+                # The model and --lag's old weights go; the checkpoints once nothing is to resume.
+                for kept in ("final", "lag", *(("checkpoints",) if proc.returncode == 0 else ())):
+                    shutil.rmtree(out / kept, ignore_errors=True)
 
 
 def summary(values, digits=3):
