@@ -2,7 +2,7 @@
 
     python bench/compare.py redteam   [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
     python bench/compare.py summarize [--seeds 0 1 2] [--settings ...] [--runs DIR] [--plot FILE.png]
-    python bench/compare.py arith --lanes 2 --settings tb-sync tb-sync-lr1e-5   # 100-step runs
+    python bench/compare.py arith --lanes 2 --settings tb-sync tb-sync-lr3e-5   # 100-step runs
 
 Each setting is `python tba.py --task TASK` with the task's defaults plus a few flags, run with
 every seed. Settings:
@@ -15,7 +15,7 @@ every seed. Settings:
                    3e-6 after 30 red-teaming steps). KL-regularised RL is usually run weaker.
 arith runs 100 steps (learning that lasts: does accuracy hold after its best?), from today's
 defaults and one change each:
-  tb-sync-lr1e-5   --lr 1e-5, a third of the default: smaller steps
+  tb-sync-lr3e-5   --lr 3e-5, the default before lr 1e-5: steps 3x larger
   tb-sync-temp1    --temperature 1: the policy and the reference are the model's softmax at
                    temperature 1, not 0.7 (both sample and score at --temperature): a broader
                    reference, so a broader target, and logits that move the samples 1/0.7
@@ -74,7 +74,7 @@ def last_before(rows, key, seconds):
 TASKS = {
     "arith": dict(
         common=["--steps", "100"], save_every=10,      # a run stopped part-way resumes
-        settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr1e-5": [*SYNC, "--lr", "1e-5"],
+        settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr3e-5": [*SYNC, "--lr", "3e-5"],
                   "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
                   "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),

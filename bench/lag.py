@@ -4,7 +4,7 @@
     python bench/lag.py toy                   # TB, RLOO, RLOO+IS, VCPO at L = 0 32 128
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
-    python bench/lag.py arith --steps 100     # longer runs, in runs/bench-lag-arith-100
+    python bench/lag.py arith --steps 25      # shorter runs, in runs/bench-lag-arith-25
 
 Every run is `python tba.py --task TASK --lag L --loss LOSS --seed S` plus the task's flags
 below: the synchronous loop, whose groups are sampled by the policy as it was exactly L updates

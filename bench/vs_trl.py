@@ -1,18 +1,21 @@
 """tba against TRL's GRPOTrainer: same task, model, prompts, reward, budget and evaluation.
 
     pip install "trl==1.16.0" "torch==2.13.0" "transformers==5.23.0"   # TRL: this bench only
-    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs, ~3.8 h on 2 cores
-                                        # (measured in sittings: 1 h 38 min for tba-async and
-                                        # trl-default, 2 h 10 min for tba-sync and trl-comparable)
+    python bench/vs_trl.py              # arith, 4 systems x seeds 0 1 2: 12 runs of 100 steps,
+                                        # ~15 h on 2 cores (at the earlier 25 steps, measured in
+                                        # sittings: 1 h 38 min for tba-async and trl-default,
+                                        # 2 h 10 min for tba-sync and trl-comparable)
     python bench/vs_trl.py --quick      # seed 0, 4 steps, 32 test problems: 12.5 min measured
     python bench/vs_trl.py -- --beta 0.05 --beta-final 0.05   # tba.py flags after `--` change
                                         # every system's settings, TRL's matched too (README: β 0.05)
+    python bench/vs_trl.py --systems trl-default -- --lr 3e-6   # TRL at its own learning rate
+                                        # (in runs/bench-vs-trl-lr-3e-6)
     python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
                                         # with the settings these tba.py flags would use
 
 A researcher choosing between tba and TRL asks: does it learn as well, and is it faster? Each
-system trains SmolLM2-135M-Instruct on the CPU with the task's tba defaults (arith: 25 steps of
-B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.2, AdamW at lr 3e-5
+system trains SmolLM2-135M-Instruct on the CPU with the task's tba defaults (arith: 100 steps of
+B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.2, AdamW at lr 1e-5
 with warm-up-stable-decay 5/10 steps), each run in a fresh process on all cores:
   tba-sync        python tba.py --searchers 0   on-policy trajectory balance, one process
   tba-async       python tba.py --searchers 1   a searcher process and the trainer, a core each

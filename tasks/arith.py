@@ -73,8 +73,8 @@ class ArithTask(AnswerTask):
     # - Asked for the number only, with 32 new tokens, it starts at 37% (21% of samples right at
     #   temperature 0.7, 11% at 1.0) and a step takes ~20 s. It first learns which operation a
     #   word means ("sells" is -), reaching 83% after 20-35 steps, but at lr 3e-5 further steps
-    #   erode its sums (8 + 6 = 10) and it fell back to 52% by step 40 or 70. So: 25 steps, the
-    #   last 10 decaying: 37% -> 75% in 11 minutes.
+    #   erode its sums (8 + 6 = 10) and it fell back to 52% by step 40 or 70. So at first: 25
+    #   steps, the last 10 decaying: 37% -> 75% in 11 minutes (the last point says what replaced it).
     # - β 0.05 (r/β = 20 for a right answer) left the end fragile with one searcher: 0.638 ±
     #   0.068 over seeds 0-2, seed 0 falling from 69% to 56%. β 0.2 ended higher on each of the
     #   same seeds (README, arith).
@@ -83,10 +83,15 @@ class ArithTask(AnswerTask):
     #   with reuse 4, at the same staleness (~2 steps) and wall time (RESULTS.md, staleness).
     # - micro_groups 1: one group a backward pass takes the trainer's peak from 5.0 to 3.8 GiB
     #   in the same time (0.99× within a ±14% spread; bench/README.md, memory).
+    # - 100 steps at lr 1e-5 (TBA's GSM8K rate), not 25 at 3e-5: over 100 synchronous steps
+    #   lr 3e-5 collapsed the samples onto one answer per problem (mean log π of a sample -0.6,
+    #   most groups of equal rewards) and fell 13-20 points from its best (final 0.789 ± 0.088,
+    #   2 seeds); lr 1e-5 did not collapse, learned faster by step 10 (0.651 ± 0.032 against
+    #   0.434) and ended at 0.904 ± 0.032 over 3 seeds (RESULTS.md, learning that lasts).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
-                    steps=25, prompts_per_step=4, group_size=8, max_new_tokens=32,
-                    temperature=0.7, beta=0.2, beta_final=0.2, beta_steps=0, lr=3e-5,
+                    steps=100, prompts_per_step=4, group_size=8, max_new_tokens=32,
+                    temperature=0.7, beta=0.2, beta_final=0.2, beta_steps=0, lr=1e-5,
                     warmup_steps=5, decay_steps=10, eval_every=10, eval_n=128,
                     sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=4000,
                     max_reuse=1, micro_groups=1, save_every=10)

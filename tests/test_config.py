@@ -104,7 +104,7 @@ def test_dry_run_prints_the_settings_that_differ_and_writes_nothing(tmp_path, ca
     assert printed.startswith(f"run {out}, task arith")
     words = printed.split()
     assert "lr=0.0001" in words and "searchers=0" in words     # given: no mark
-    assert "steps=25*" in words and "beta=0.2*" in words       # the task's choice: marked
+    assert "steps=100*" in words and "beta=0.2*" in words       # the task's choice: marked
     assert not any(w.startswith(("seed=", "loss=", "keep-checkpoints=")) for w in words)  # defaults
     assert not out.exists()
 
@@ -129,15 +129,15 @@ def test_a_recipe_schedule_is_fitted_as_the_tasks(tmp_path, capsys):
     cfg, _, actions = config.parse_args(["--config", str(recipe), "--steps", "12"])
     from_recipe = config.resolve(cfg, recipe=actions["recipe"])
     assert (from_recipe.warmup_steps, from_recipe.decay_steps) == (
-        fitted.warmup_steps, fitted.decay_steps) == (2, 5)
+        fitted.warmup_steps, fitted.decay_steps) == (1, 1)
     assert tba.main(["--config", str(recipe), "--steps", "12", "--dry-run",
                      "--out", str(tmp_path)]) == 0
     assert ("fitted to --steps 12: the recipe's schedule (warmup-steps 5, decay-steps 10) is "
-            "for 25 steps") in capsys.readouterr().out
+            "for 100 steps") in capsys.readouterr().out
     capsys.readouterr()
-    assert tba.main(["--config", str(recipe), "--steps", "12", "--decay-steps", "11",
-                     "--out", str(tmp_path / "run")]) == 2      # 2 fitted + 11 given: refused
-    one_error_line(capsys, "does not fit in --steps 12: --warmup-steps 2 + --decay-steps 11")
+    assert tba.main(["--config", str(recipe), "--steps", "12", "--decay-steps", "12",
+                     "--out", str(tmp_path / "run")]) == 2      # 1 fitted + 12 given: refused
+    one_error_line(capsys, "does not fit in --steps 12: --warmup-steps 1 + --decay-steps 12")
 
 
 @pytest.mark.parametrize("args, message", [
