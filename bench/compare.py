@@ -22,6 +22,8 @@ defaults and one change each:
                    times less per step
   tb-sync-ref0.25  --reference-frac 0.25: a quarter of the groups sampled by the frozen
                    reference, which keeps showing the loss what the policy dropped
+  tb-sync-decay50  --decay-steps 50: the learning rate falls linearly over the second half of
+                   the run instead of the last 10 steps, where the late falls happen
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
@@ -76,7 +78,8 @@ TASKS = {
         common=["--steps", "100"], save_every=10,      # a run stopped part-way resumes
         settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr3e-5": [*SYNC, "--lr", "3e-5"],
                   "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
-                  "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"]},
+                  "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"],
+                  "tb-sync-decay50": [*SYNC, "--decay-steps", "50"]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
                  "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
                  "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),
@@ -85,7 +88,9 @@ TASKS = {
                  "kl": ("KL, last 10 steps", 2, lambda t, e: last_mean(t, "kl", 10)),
                  "logp": ("log π of the samples, last 10", 2, lambda t, e: last_mean(t, "logp_mean", 10)),
                  "equal": ("groups of equal rewards, last 10", 2,
-                           lambda t, e: last_mean(t, "equal_reward_frac", 10))},
+                           lambda t, e: last_mean(t, "equal_reward_frac", 10)),
+                 "staleness": ("staleness (steps), mean", 2,
+                               lambda t, e: statistics.mean(r["staleness_mean"] for r in t))},
         curve=("eval", "eval/accuracy", "greedy accuracy"), curve_x="step"),
     "redteam": dict(
         settings={"tb-sync": SYNC, "tb-async": ASYNC,
