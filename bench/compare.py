@@ -30,8 +30,10 @@ own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's run
 run in --runs (its last evaluation logged) is not run again, so the script can be stopped and
 restarted (an unfinished arith run resumes from its checkpoint of every 10 steps); the trained
 models are deleted (the figures are in metrics.jsonl). Then it prints
-each metric as mean ± standard deviation over the seeds [min–max], and `--plot` draws the task's
-progress metric of every run against wall time (arith: against step).
+each metric as mean ± standard deviation over the seeds [min–max] (arith also each run's
+evaluations and whether the goal of 100-step learning is met: mean final accuracy ≥ 0.93, every
+seed ≥ 0.88, no evaluation after step 25 more than 5 points below the best before it), and
+`--plot` draws the task's progress metric of every run against wall time (arith: against step).
 """
 import argparse
 import json
@@ -57,6 +59,18 @@ def largest_fall(evals, key, after):
             fall = max(fall, best - e[key])
         best = max(best, e[key])
     return fall
+
+
+def arith_goal(evals, mean_at_least=0.93, each_at_least=0.88, fall_at_most=0.05):
+    """Issue 34's goal for 100-step arith runs, as one line: met or not, and by how much."""
+    finals = [e[-1]["eval/accuracy"] for e in evals]
+    falls = [largest_fall(e, "eval/accuracy", 25) for e in evals]
+    checks = [(f"mean final {statistics.mean(finals):.3f} ≥ {mean_at_least}",
+               statistics.mean(finals) >= mean_at_least),
+              (f"lowest final {min(finals):.3f} ≥ {each_at_least}", min(finals) >= each_at_least),
+              (f"largest fall {max(falls):.3f} ≤ {fall_at_most}", max(falls) <= fall_at_most)]
+    return (f"{len(evals)} seeds: " + "; ".join(f"{text} ({'met' if ok else 'not met'})"
+                                                for text, ok in checks))
 
 
 def at_step(rows, step):
@@ -91,7 +105,8 @@ TASKS = {
                            lambda t, e: last_mean(t, "equal_reward_frac", 10)),
                  "staleness": ("staleness (steps), mean", 2,
                                lambda t, e: statistics.mean(r["staleness_mean"] for r in t))},
-        curve=("eval", "eval/accuracy", "greedy accuracy"), curve_x="step"),
+        curve=("eval", "eval/accuracy", "greedy accuracy"), curve_x="step",
+        goal=lambda trains, evals: arith_goal(evals)),
     "redteam": dict(
         settings={"tb-sync": SYNC, "tb-async": ASYNC,
                   "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"]},
@@ -191,6 +206,17 @@ def main():
         if data:
             print(f"| {setting} | " + " | ".join(summary([value(t, e) for t, e in data], digits)
                                                 for _, digits, value in columns) + " |")
+    finished_runs = [out for outs in runs.values() for out in outs]
+    if spec["curve"][0] == "eval" and finished_runs:    # each run's evaluations, step by step
+        key, steps = spec["curve"][1], [r["step"] for r in plot.read_metrics(finished_runs[0])[1]]
+        print(f"\n| run | {key} at steps {', '.join(map(str, steps))} |\n| --- | --- |")
+        for out in finished_runs:
+            evals = plot.read_metrics(out)[1]
+            print(f"| {out.name} | " + ", ".join(f"{r[key]:.3f}" for r in evals) + " |")
+    if "goal" in spec:
+        for setting, outs in runs.items():
+            if outs:
+                print(f"\ngoal, {setting}: {spec['goal'](*zip(*map(plot.read_metrics, outs)))}")
     if args.plot:
         draw(args.task, runs, args.plot)
         print(f"\n{args.plot}")
