@@ -62,7 +62,8 @@ def largest_fall(evals, key, after):
 
 
 def arith_goal(evals, mean_at_least=0.93, each_at_least=0.88, fall_at_most=0.05):
-    """Issue 34's goal for 100-step arith runs, as one line: met or not, and by how much."""
+    """The goal of 100-step arith runs (learning that lasts), as one line: each part met or not.
+    evals: each seed's evaluation rows."""
     finals = [e[-1]["eval/accuracy"] for e in evals]
     falls = [largest_fall(e, "eval/accuracy", 25) for e in evals]
     checks = [(f"mean final {statistics.mean(finals):.3f} ≥ {mean_at_least}",
@@ -106,7 +107,7 @@ TASKS = {
                  "staleness": ("staleness (steps), mean", 2,
                                lambda t, e: statistics.mean(r["staleness_mean"] for r in t))},
         curve=("eval", "eval/accuracy", "greedy accuracy"), curve_x="step",
-        goal=lambda trains, evals: arith_goal(evals)),
+        goal=arith_goal),
     "redteam": dict(
         settings={"tb-sync": SYNC, "tb-async": ASYNC,
                   "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"]},
@@ -216,7 +217,8 @@ def main():
     if "goal" in spec:
         for setting, outs in runs.items():
             if outs:
-                print(f"\ngoal, {setting}: {spec['goal'](*zip(*map(plot.read_metrics, outs)))}")
+                evals = [plot.read_metrics(out)[1] for out in outs]
+                print(f"\ngoal, {setting}: {spec['goal'](evals)}")
     if args.plot:
         draw(args.task, runs, args.plot)
         print(f"\n{args.plot}")
