@@ -87,7 +87,7 @@ class ArithTask(AnswerTask):
     #   lr 3e-5 collapsed the samples onto one answer per problem (mean log π of a sample -0.6,
     #   most groups of equal rewards) and fell 13-20 points from its best (final 0.789 ± 0.088,
     #   2 seeds); lr 1e-5 did not collapse, learned faster by step 10 (0.651 ± 0.032 against
-    #   0.434) and ended at 0.904 ± 0.032 over 3 seeds (RESULTS.md, learning that lasts).
+    #   0.434) and ended at 0.923 ± 0.036 over 5 seeds (RESULTS.md, learning that lasts).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
                     steps=100, prompts_per_step=4, group_size=8, max_new_tokens=32,
