@@ -86,7 +86,7 @@ class ArithTask(AnswerTask):
     # - 100 steps at lr 1e-5 (TBA's GSM8K rate), not 25 at 3e-5: over 100 synchronous steps
     #   lr 3e-5 collapsed the samples onto one answer per problem (mean log π of a sample -0.6,
     #   most groups of equal rewards) and fell 13-20 points from its best (final 0.789 ± 0.088,
-    #   2 seeds); lr 1e-5 did not collapse, learned faster by step 10 (0.651 ± 0.032 against
+    #   2 seeds); lr 1e-5 did not collapse, learned faster by step 10 (0.644 ± 0.024 against
     #   0.434) and ended at 0.923 ± 0.036 over 5 seeds (RESULTS.md, learning that lasts).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
