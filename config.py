@@ -196,6 +196,11 @@ class Config:
                        "weights), to measure staleness alone; keeps the last L + 1 versions "
                        "of the weights (and those each kept checkpoint needs) as files in RUN/lag/ (SmolLM2-135M: 0.54 GB each) and "
                        "one more copy in memory (0: on-policy)", at_least(0))
+    replay_groups: int = flag(0, "--searchers 0 only: of each step's B groups, this many are "
+                                 "drawn from a replay buffer of the completions earlier steps "
+                                 "sampled (by --priority-temp; stored as --buffer-evict, "
+                                 "--dedup, --merge-cosine say), the others sampled fresh, as "
+                                 "GFlowNet red-teaming trains (0: on-policy only)", at_least(0))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
                                   "trainer, waiting for fresher ones if needed (-1: no bound)",
                               at_least(-1))
@@ -362,11 +367,22 @@ def check_combination(cfg):
         raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on sampled "
                          f"completions: use {task.min_eval_samples} or more")
     waits_for = max(cfg.min_buffer, cfg.prompts_per_step) * cfg.group_size
-    if cfg.searchers and cfg.buffer_capacity < waits_for:
+    if cfg.replay_groups and cfg.searchers:
+        raise ValueError(f"--replay-groups {cfg.replay_groups} replays in the synchronous loop, "
+                         f"but --searchers {cfg.searchers} already trains from a replay buffer: "
+                         "set its share of fresh groups with --recent-frac, or use --searchers 0")
+    if cfg.replay_groups >= cfg.prompts_per_step:
+        raise ValueError(f"--replay-groups {cfg.replay_groups} leaves no fresh group of the "
+                         f"--prompts-per-step {cfg.prompts_per_step}: use fewer")
+    if cfg.replay_groups and cfg.lag:
+        raise ValueError(f"--replay-groups with --lag {cfg.lag}: a lag sweep measures staleness "
+                         "without replay: drop one of them")
+    buffered = cfg.searchers or cfg.replay_groups
+    if buffered and cfg.buffer_capacity < waits_for:
         raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the {waits_for} "
                          "completions the trainer waits for (--min-buffer or --prompts-per-step, "
                          "times --group-size): raise it")
-    if cfg.searchers and 0 < cfg.buffer_per_prompt < cfg.group_size:
+    if buffered and 0 < cfg.buffer_per_prompt < cfg.group_size:
         raise ValueError(f"--buffer-per-prompt {cfg.buffer_per_prompt} is below --group-size "
                          f"{cfg.group_size}: a prompt could not hold the group it was searched "
                          "with; raise it, or use 0")
@@ -377,6 +393,7 @@ def check_combination(cfg):
     off_policy = [why for why, on in (
         (f"--searchers {cfg.searchers} trains on stale, replayed groups", cfg.searchers),
         (f"--lag {cfg.lag} trains on groups sampled {cfg.lag} updates earlier", cfg.lag),
+        (f"--replay-groups {cfg.replay_groups} trains on replayed groups", cfg.replay_groups),
         ("--search-temperature/--reference-frac sample from other distributions",
          cfg.search_temperature or cfg.reference_frac)) if on]
     if cfg.loss == "rloo" and off_policy and not cfg.rloo_off_policy:
@@ -384,9 +401,9 @@ def check_combination(cfg):
                          "(importance-corrected) or --loss tb, or add --rloo-off-policy to "
                          "train it uncorrected anyway")
     for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
-        if on and not cfg.searchers:
+        if on and not buffered:
             raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "
-                             "use --searchers 1 or more, or drop it")
+                             "use --searchers 1 or more, or --replay-groups, or drop it")
         if on and cfg.max_reuse:
             raise ValueError(f"{name} with --max-reuse {cfg.max_reuse}: a buffer that stores "
                              "what was found once would run out of groups to draw once the "

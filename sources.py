@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 import checkpoint
 import searcher
-from buffer import ReplayBuffer, shared_bytes
+from buffer import GroupBatch, ReplayBuffer, shared_bytes
 from searcher import SearcherError, add_to_buffer
 
 REPO = Path(__file__).resolve().parent
@@ -55,15 +55,24 @@ class InProcess:
     and the trainer's activations would not leave room for a second run on 24 GB). A checkpoint
     records which versions it needs next, and their files stay as long as the checkpoint does
     (--keep-checkpoints), so a run resumed from any kept checkpoint samples with the same old
-    weights as one that never stopped."""
+    weights as one that never stopped.
+
+    With --replay-groups n (GFlowNet red-teaming's loop: half fresh, half replayed) the step
+    samples B − n groups fresh and trains on them beside n groups drawn from a replay buffer of
+    the completions earlier steps sampled (by --priority-temp, within --max-staleness and
+    --max-reuse), then stores the fresh ones in it (as --buffer-evict, --dedup, --merge-cosine
+    say). Every fresh completion is trained on, once, as in the on-policy loop; until earlier
+    steps have stored n groups, all B are fresh."""
 
     fill_target = 0                       # nothing to wait for before the first step
 
-    def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts):
+    def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, buffer=None):
         self.cfg, self.task, self.policy, self.ref_model, self.tokenizer = (
             cfg, task, policy, ref_model, tokenizer)
-        self.batches = searcher.prompt_batches(prompts, cfg.prompts_per_step, cfg.seed)
-        self.batches_used = 0
+        self.prompts = searcher.prompt_batches(prompts, 1, cfg.seed)    # one at a time
+        self.prompts_used = 0
+        self.buffer = buffer                                # --replay-groups: else None
+        self.replay_sampler = torch.Generator().manual_seed(cfg.seed)
         self.score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
         self.tokens = self.groups = 0
         self.infos = []
@@ -109,19 +118,44 @@ class InProcess:
             sampled = max(version - self.cfg.lag, 0)
             self.load_sampler(sampled)
             self.delete_weights_before(min([sampled, *self.pins]))
+        cfg = self.cfg
+        replayed = self.replay(version)                   # n groups of earlier steps, or None
+        prompts = [next(self.prompts)[0]
+                   for _ in range(cfg.prompts_per_step - (cfg.replay_groups if replayed else 0))]
+        self.prompts_used += len(prompts)
         batch, _ = searcher.sample_groups(
-            self.sampler, self.ref_model, self.tokenizer, self.task, next(self.batches),
-            group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens,
-            temperature=self.cfg.temperature, version=sampled,
-            dtype=getattr(torch, self.cfg.dtype), score_batch=self.score_batch,
-            search_temperature=self.cfg.search_temperature, reference_frac=self.cfg.reference_frac)
-        self.batches_used += 1
+            self.sampler, self.ref_model, self.tokenizer, self.task, prompts,
+            group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, version=sampled, dtype=getattr(torch, cfg.dtype),
+            score_batch=self.score_batch, search_temperature=cfg.search_temperature,
+            reference_frac=cfg.reference_frac)
         self.tokens += int(batch.response_len.sum())
-        self.groups += len(batch.prompt_index)
+        self.groups += len(prompts)
         self.infos = [batch.info] if batch.info is not None else []
-        return batch, {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
-                       "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0,
-                       **searcher.sampling_metrics(batch, version)}
+        metrics = {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
+                   "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0}
+        if self.buffer is not None:
+            searcher.add_to_buffer(self.buffer, [p.ids for p in prompts], batch.to("cpu"))
+            batch.recent_count = len(prompts)                 # the fresh groups
+            batch = GroupBatch.cat([batch, replayed] if replayed else [batch],
+                                   pad_id=self.tokenizer.pad_token_id)
+            metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),
+                           buffer_completions=len(self.buffer),
+                           recent_frac_actual=len(prompts) / cfg.prompts_per_step)
+        return batch, {**metrics, **searcher.sampling_metrics(batch, version)}
+
+    def replay(self, version):
+        """--replay-groups n: n groups drawn from the completions earlier steps stored (by
+        --priority-temp; none older than --max-staleness or drawn --max-reuse times), or None
+        while the buffer holds fewer than n such groups (or there is no buffer)."""
+        cfg = self.cfg
+        min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
+        if self.buffer is None or self.buffer.count(min_version, cfg.max_reuse) < cfg.replay_groups:
+            return None
+        return self.buffer.sample(cfg.replay_groups, recent_frac=0.0,
+                                  priority_temp=cfg.priority_temp or None,
+                                  generator=self.replay_sampler, min_version=min_version,
+                                  max_reuse=cfg.max_reuse)
 
     def publish(self, policy, version):
         return 0.0                        # the searcher *is* the trainer's policy
@@ -139,13 +173,22 @@ class InProcess:
         self.pins.append(max(self.next_version - self.cfg.lag, 0))
         if self.cfg.keep_checkpoints:
             self.pins = self.pins[-self.cfg.keep_checkpoints:]
-        return {"batches_used": self.batches_used, "lag_pins": list(self.pins)}
+        state = {"prompts_used": self.prompts_used, "lag_pins": list(self.pins)}
+        if self.buffer is not None:
+            state.update(buffer=self.buffer.state_dict(),
+                         sampler=self.replay_sampler.get_state())
+        return state
 
     def load_state_dict(self, state, step):
-        # The prompts an earlier synchronous session has seen (none if it ran searchers).
-        self.batches_used = state.get("batches_used", 0)
-        for _ in range(self.batches_used):
-            next(self.batches)
+        # The prompts an earlier synchronous session has seen (none if it ran searchers; a
+        # checkpoint from before --replay-groups counted batches of B).
+        self.prompts_used = state.get("prompts_used",
+                                      state.get("batches_used", 0) * self.cfg.prompts_per_step)
+        for _ in range(self.prompts_used):
+            next(self.prompts)
+        if self.buffer is not None and "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"], max_version=step)
+            self.replay_sampler.set_state(state["sampler"])
         self.next_version = step
         self.pins = state.get("lag_pins", [max(step - self.cfg.lag, 0)])
         if self.cfg.lag:
@@ -420,15 +463,17 @@ def check_shared_memory(need, shm="/dev/shm"):
 
 
 def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):
-    """The group source for this run's settings. Searchers get a replay buffer sized for the
-    longest prompt (in shared memory unless they are Ray actors); `interrupt` raises
-    KeyboardInterrupt when a stop was requested, while the trainer waits for groups."""
-    if not cfg.searchers:
+    """The group source for this run's settings. Searchers (and --replay-groups) get a replay
+    buffer sized for the longest prompt (in shared memory unless they are Ray actors);
+    `interrupt` raises KeyboardInterrupt when a stop was requested, while the trainer waits for
+    groups."""
+    if not cfg.searchers and not cfg.replay_groups:
         return InProcess(cfg, task, policy, ref_model, tokenizer, prompts)
     longest = max(len(p.ids) for p in prompts)
     n_prompts = max(p.index for p in prompts) + 1
     embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
-    check_shared_memory((0 if cfg.ray else WeightChannel.bytes_needed(policy))
+    check_shared_memory((WeightChannel.bytes_needed(policy) if cfg.searchers and not cfg.ray
+                         else 0)
                         + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens,
                                        n_prompts, embedding_dim))
     buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
@@ -436,6 +481,8 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
                           per_prompt=cfg.buffer_per_prompt, evict=cfg.buffer_evict,
                           dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
                           embedding_dim=embedding_dim)
+    if not cfg.searchers:
+        return InProcess(cfg, task, policy, ref_model, tokenizer, prompts, buffer=buffer)
     if cfg.ray:
         return RaySearchers(cfg, buffer, layout.threads, interrupt)
     return SearcherProcesses(cfg, buffer, layout.searcher_devices, layout.threads, interrupt)

@@ -35,6 +35,8 @@ the only difference (on-policy TB at one β is the same run as RLOO):
                      of a prompt), each attack once, near-duplicates merged keeping the better,
                      half of each batch replayed by reward
   tb-keep-best-explore  the same, sampling each group at a temperature in [0.7, 1.4]
+  tb-sync-keep-best  that buffer without a searcher process: each step samples 2 of its 4
+                     groups fresh from the policy and replays 2 from the buffer (--replay-groups)
   beta-0.1/...       RLOO and the last one at the task's β 0.1: the frontier's second point
 
 A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
@@ -53,12 +55,15 @@ EXPLORE = ["--search-temperature", "1", "2", "--reference-frac", "0.25"]
 REPLAY = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "0.25", "--dedup",
           "--max-reuse", "0"]
 WEAK_KL = ["--beta", "0.01", "--beta-final", "0.01"]    # red-teaming: RLOO's best β measured
-# The buffer of completions at its GFlowNet red-teaming settings: half replayed, half fresh;
-# replay by reward; the lowest reward evicted first; each attack stored once, near-duplicates
-# merged keeping the better one.
-KEEP_BEST = ["--searchers", "1", "--recent-frac", "0.5", "--priority-temp", "1",
-             "--buffer-evict", "lowest", "--buffer-per-prompt", "100", "--dedup",
-             "--merge-cosine", "0.9", "--max-reuse", "0"]
+# The buffer of completions at its GFlowNet red-teaming settings: replay by reward; the lowest
+# reward evicted first; each attack stored once, near-duplicates merged keeping the better one.
+BEST_KEPT = ["--priority-temp", "1", "--buffer-evict", "lowest", "--buffer-per-prompt", "100",
+             "--dedup", "--merge-cosine", "0.9", "--max-reuse", "0"]
+# ... filled by a searcher process, half of each batch drawn from its newest weights' attacks;
+KEEP_BEST = ["--searchers", "1", "--recent-frac", "0.5", *BEST_KEPT]
+# ... or without one, as GFlowNet red-teaming trains: each step samples half its groups fresh
+# from the policy and replays the other half.
+SYNC_KEEP_BEST = ["--searchers", "0", "--replay-groups", "2", *BEST_KEPT]
 SETTINGS = {
     "toy": {
         "fixed/tb": [*FIXED_BETA, "--searchers", "0"],
@@ -86,6 +91,7 @@ SETTINGS = {
                               "--merge-cosine", "0.9", "--max-reuse", "0"],
         "tb-keep-best": [*WEAK_KL, *KEEP_BEST],
         "tb-keep-best-explore": [*WEAK_KL, *KEEP_BEST, "--search-temperature", "0.7", "1.4"],
+        "tb-sync-keep-best": [*WEAK_KL, *SYNC_KEEP_BEST],
         "beta-0.1/rloo": ["--searchers", "0", "--loss", "rloo"],
         "beta-0.1/tb-keep-best-explore": [*KEEP_BEST, "--search-temperature", "0.7", "1.4"],
     },

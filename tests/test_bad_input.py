@@ -91,6 +91,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--is-clip", "0"], "--is-clip must be greater than 0 (got 0.0)"),   # no weight at all
     (["--is-clip", "-2"], "--is-clip must be greater than 0"),
     (["--lag", "-1"], "--lag must be at least 0 (got -1)"),
+    (["--replay-groups", "-1"], "--replay-groups must be at least 0 (got -1)"),
     (["--search-temperature", "0", "1"], "--search-temperature must be two numbers 0 < LOW <= HIGH"),
     (["--search-temperature", "2", "1"], "--search-temperature must be two numbers 0 < LOW"),
     (["--search-temperature", "1"], "argument --search-temperature: expected 2 arguments"),
@@ -114,6 +115,13 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--loss", "rloo", "--lag", "4"],
      "--loss rloo is on-policy, but --lag 4 trains on groups sampled 4 updates earlier"),
     (["--dedup", "--searchers", "0"], "--dedup acts on the replay buffer, and --searchers 0"),
+    (["--replay-groups", "1"], "--replay-groups 1 replays in the synchronous loop, but "
+                               "--searchers 1 already trains from a replay buffer"),
+    (["--replay-groups", "2", "--searchers", "0"],
+     "--replay-groups 2 leaves no fresh group of the --prompts-per-step 2"),
+    (["--replay-groups", "1", "--searchers", "0", "--lag", "2"], "--replay-groups with --lag 2"),
+    (["--loss", "rloo", "--searchers", "0", "--replay-groups", "1"],
+     "--loss rloo is on-policy, but --replay-groups 1 trains on replayed groups"),
     (["--dedup"], "--dedup with --max-reuse 4: a buffer that stores what was found once"),
     (["--merge-cosine", "0.9", "--max-reuse", "0"], "--merge-cosine needs a task that embeds"),
     (["--lag", "2", "--searchers", "1"], "--lag 2 delays the synchronous loop's sampler, but "

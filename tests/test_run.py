@@ -69,15 +69,19 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 EXPLORE = ["--search-temperature", "0.5", "2", "--reference-frac", "0.3"]
+# The synchronous loop with a replay buffer: a group of 2 replayed by reward from step 2 on.
+REPLAY = ["--prompts-per-step", "3", "--replay-groups", "2", "--priority-temp", "1",
+          "--buffer-evict", "lowest", "--dedup", "--max-reuse", "0"]
 
 
 @pytest.mark.parametrize("device, extra", [
-    ("cpu", []), ("cpu", ["--lag", "3"]), ("cpu", EXPLORE),
+    ("cpu", []), ("cpu", ["--lag", "3"]), ("cpu", EXPLORE), ("cpu", REPLAY),
     pytest.param("cuda", [], marks=CUDA.marks)])
 def test_resume_gives_the_same_run(device, extra, tmp_path, monkeypatch):
     """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: same weights, same metrics. With
     --lag the old weights the sampler needs next travel in the checkpoint; with exploration,
-    the random state that draws each group's temperature and sampler."""
+    the random state that draws each group's temperature and sampler; with replay, the buffer
+    and the random state of its draws."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = [*TOY, "--device", device, *extra]
     assert tba.main([*args, "--out", str(straight)]) == 0
