@@ -3,6 +3,7 @@
     python bench/explore.py toy                  # the toy settings below, seeds 0 1 2
     python bench/explore.py redteam --lanes 2    # two runs at a time, each pinned to its own core
     python bench/explore.py toy --report-only    # the table of what has finished
+    python bench/explore.py redteam --steps 150 --report-only --plot found.png   # and the curves
 
 Every run is `python tba.py --task TASK --seed S` plus a setting's flags. Toy (exact: final
 toy/tv, lower is better, and toy/modes, the modes of six where the policy holds at least half
@@ -109,7 +110,28 @@ def at_least(rows, key, value, metric):
     return next((r.get(metric) for r in rows if r[key] >= value), None)
 
 
-def report(task, runs, seeds, steps):
+def plot_found(data, plot_to):
+    """Red-teaming: distinct successful attacks found against groups generated and against wall
+    time, a line per run, a colour per setting."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for colour, (setting, runs_) in enumerate(data.items()):
+        for i, (train_rows, _) in enumerate(runs_):
+            found = [r["redteam/unique_successes"] for r in train_rows]
+            for ax, x in zip(axes, ("gen_groups", "time")):
+                ax.plot([r[x] for r in train_rows], found, color=f"C{colour}", lw=1,
+                        label=setting if i == 0 else None)
+    axes[0].set(xlabel="groups of 4 attacks generated", ylabel="distinct successful attacks")
+    axes[1].set(xlabel="wall time, s (runs shared cores: compare within a setting)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot_to, dpi=120)
+    print(f"\nplot: {plot_to}")
+
+
+def report(task, runs, seeds, steps, plot_to=None):
     metrics = METRICS[task]
     print(f"\n{task}: final evaluation, {len(seeds)} seeds, mean ± sd [min–max]\n")
     print("| setting | " + " | ".join(metrics) + " | modes 6 (seeds) | samples | wall s |")
@@ -142,6 +164,8 @@ def report(task, runs, seeds, steps):
                 diversity.append(at_least(t, "gen_groups", generated, "redteam/diversity") or 0)
             print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} | "
                   f"{summary(diversity)} |")
+        if plot_to:
+            plot_found(data, plot_to)
 
 
 def main(argv=None):
@@ -154,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="default: the task's; longer runs go to "
                         "their own folder and evaluate 5 times")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--plot", type=Path, help="redteam: PNG of distinct successes found "
+                        "against groups generated and wall time")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     import tasks
@@ -167,7 +193,7 @@ def main(argv=None):
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
         run_all(todo, args.lanes)
-    report(args.task, runs, args.seeds, steps)
+    report(args.task, runs, args.seeds, steps, args.plot)
 
 
 if __name__ == "__main__":
