@@ -61,8 +61,9 @@ class InProcess:
     samples B − n groups fresh and trains on them beside n groups drawn from a replay buffer of
     the completions earlier steps sampled (by --priority-temp, within --max-staleness and
     --max-reuse), then stores the fresh ones in it (as --buffer-evict, --dedup, --merge-cosine
-    say). Every fresh completion is trained on, once, as in the on-policy loop; until earlier
-    steps have stored n groups, all B are fresh."""
+    say). Every fresh completion is trained on, once, as in the on-policy loop, then on each
+    replay (--max-reuse counts the replays); until earlier steps have stored n groups, all B
+    are fresh."""
 
     fill_target = 0                       # nothing to wait for before the first step
 
@@ -137,6 +138,8 @@ class InProcess:
         if self.buffer is not None:
             searcher.add_to_buffer(self.buffer, [p.ids for p in prompts], batch.to("cpu"))
             batch.recent_count = len(prompts)                 # the fresh groups
+            if replayed:                  # trained once fresh, outside the buffer's count
+                replayed.draws = replayed.draws + 1               # [n, K] times trained
             batch = GroupBatch.cat([batch, replayed] if replayed else [batch],
                                    pad_id=self.tokenizer.pad_token_id)
             metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),

@@ -419,6 +419,8 @@ def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path
         assert (batch.version[:fresh] == version).all() and (batch.version[fresh:] < version).all()
         assert metrics["recent_frac_actual"] == fresh / 3
         assert metrics["buffer_completions"] == 8 * (3 + version)      # nothing left out
+        if version < 2:           # step 1 replays step 0's completions: their second training
+            assert metrics["reuse_mean"] == pytest.approx(1.0 if version == 0 else 5 / 3)
         with torch.no_grad():
             logp = trainer.group_logprobs(policy, batch, cfg.temperature).view(3, 8)
         assert torch.allclose(logp, batch.behaviour_logp, atol=1e-5)
