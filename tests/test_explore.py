@@ -9,11 +9,13 @@ import torch
 import config
 import models
 import searcher
+import sources
 import tasks
 import tba
 import trainer
 from buffer import REFERENCE, GroupBatch, ReplayBuffer
 from tasks import toy
+from test_trainer import tiny_llama
 
 
 def toy_setup(*flags):
@@ -224,3 +226,59 @@ def test_an_exploring_searcher_run_end_to_end(tmp_path):
         assert 0 <= r["from_reference_frac"] <= 1 and 0 < r["trained_completions"] <= 2 * 64
         assert 0 < r["ess_frac"] <= 1
     assert "toy/modes" in rows[-1]
+
+
+def generated(model, prompts, max_new_tokens, seed):
+    """A fresh GroupBatch of 2 completions per prompt, with generation's log μ."""
+    torch.manual_seed(seed)
+    ids, mask, response_ids, response_len, log_mu = models.generate(
+        model, toy.build_tokenizer(), prompts, num_samples=2, max_new_tokens=max_new_tokens,
+        temperature=1.0, with_logprobs=True)
+    zeros = torch.zeros(len(prompts), 2)
+    return GroupBatch(ids, mask, response_ids, response_len, reward=zeros, ref_logp=zeros,
+                      version=torch.zeros(len(prompts), 2, dtype=torch.long),
+                      prompt_index=torch.arange(len(prompts)), behaviour_logp=log_mu)
+
+
+def test_concatenated_batches_keep_every_completions_logprobs():
+    """GroupBatch.cat pads batches of other prompt and response widths to one: the trainer's log π
+    of every completion in the joined batch equals generation's log μ of it (1e-5: float32
+    sums in another order), and a drawn batch's padding (keep False) stays padding."""
+    model = tiny_llama()
+    wide = generated(model, [[3, 5, 7, 9], [4, 2]], max_new_tokens=6, seed=1)     # [2, 2, ≤6]
+    narrow = generated(model, [[6]], max_new_tokens=2, seed=2)                    # [1, 2, ≤2]
+    narrow.keep = torch.tensor([[True, False]])
+    joined = GroupBatch.cat([narrow, wide], pad_id=0)
+    assert joined.prompt_ids.shape[1] == 4 and joined.response_ids.shape[:2] == (3, 2)
+    assert joined.keep.tolist() == [[True, False], [True, True], [True, True]]
+    with torch.no_grad():
+        logp = trainer.group_logprobs(model, joined, 1.0).view(3, 2)
+    want = torch.cat([narrow.behaviour_logp, wide.behaviour_logp])
+    assert torch.allclose(logp[joined.keep], want[joined.keep], atol=1e-5)
+
+
+def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path):
+    """--searchers 0 --replay-groups 2, B = 3: the first step samples all 3 groups; each later
+    step 1 fresh group of the policy's version and 2 drawn from what earlier steps stored, and
+    every completion is the one stored (its log μ is the unchanged policy's log π)."""
+    cfg = config.resolve(config.Config(task="toy", searchers=0, prompts_per_step=3,
+                                       replay_groups=2, group_size=8, priority_temp=1.0,
+                                       out=str(tmp_path)))
+    task = tasks.make_task(cfg)
+    policy, tokenizer = task.load_model(torch.device("cpu"))
+    source = sources.make_source(cfg, task=task, policy=policy,
+                                 ref_model=copy.deepcopy(policy).requires_grad_(False),
+                                 tokenizer=tokenizer, prompts=task.prompts("train", tokenizer),
+                                 layout=None, interrupt=lambda: None)
+    for version in range(4):
+        batch, metrics = source.next_batch(version)
+        fresh = 3 if version == 0 else 1
+        assert (batch.version[:fresh] == version).all() and (batch.version[fresh:] < version).all()
+        assert metrics["recent_frac_actual"] == fresh / 3
+        assert metrics["buffer_completions"] == 8 * (3 + version)      # nothing left out
+        if version < 2:           # step 1 replays step 0's completions: their second training
+            assert metrics["reuse_mean"] == pytest.approx(1.0 if version == 0 else 5 / 3)
+        with torch.no_grad():
+            logp = trainer.group_logprobs(policy, batch, cfg.temperature).view(3, 8)
+        assert torch.allclose(logp, batch.behaviour_logp, atol=1e-5)
+    assert source.groups == 3 + 3 and source.prompts_used == 6
