@@ -131,13 +131,13 @@ def plot_found(data, plot_to):
     print(f"\nplot: {plot_to}")
 
 
-def report(task, runs, seeds, steps, plot_to=None):
+def report(task, runs, seeds, steps, settings, plot_to=None):
     metrics = METRICS[task]
     print(f"\n{task}: final evaluation, {len(seeds)} seeds, mean ± sd [min–max]\n")
     print("| setting | " + " | ".join(metrics) + " | modes 6 (seeds) | samples | wall s |")
     print("|---|" + "---|" * (len(metrics) + 3))
     data = {}
-    for setting in SETTINGS[task]:
+    for setting in settings:
         done = [folder(runs, setting, s) for s in seeds if finished(folder(runs, setting, s), steps)]
         if not done:
             continue
@@ -193,7 +193,7 @@ def main(argv=None):
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
         run_all(todo, args.lanes)
-    report(args.task, runs, args.seeds, steps, args.plot)
+    report(args.task, runs, args.seeds, steps, chosen, args.plot)
 
 
 if __name__ == "__main__":
