@@ -121,8 +121,8 @@ class InProcess:
             self.delete_weights_before(min([sampled, *self.pins]))
         cfg = self.cfg
         replayed = self.replay(version)                   # n groups of earlier steps, or None
-        prompts = [next(self.prompts)[0]
-                   for _ in range(cfg.prompts_per_step - (cfg.replay_groups if replayed else 0))]
+        n_fresh = cfg.prompts_per_step - (0 if replayed is None else cfg.replay_groups)
+        prompts = [next(self.prompts)[0] for _ in range(n_fresh)]
         self.prompts_used += len(prompts)
         batch, _ = searcher.sample_groups(
             self.sampler, self.ref_model, self.tokenizer, self.task, prompts,
@@ -136,11 +136,11 @@ class InProcess:
         metrics = {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
                    "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0}
         if self.buffer is not None:
-            searcher.add_to_buffer(self.buffer, [p.ids for p in prompts], batch.to("cpu"))
+            add_to_buffer(self.buffer, [p.ids for p in prompts], batch.to("cpu"))
             batch.recent_count = len(prompts)                 # the fresh groups
-            if replayed:                  # trained once fresh, outside the buffer's count
+            if replayed is not None:      # trained once fresh, outside the buffer's count
                 replayed.draws = replayed.draws + 1               # [n, K] times trained
-            batch = GroupBatch.cat([batch, replayed] if replayed else [batch],
+            batch = GroupBatch.cat([batch] if replayed is None else [batch, replayed],
                                    pad_id=self.tokenizer.pad_token_id)
             metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),
                            buffer_completions=len(self.buffer),
