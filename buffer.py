@@ -91,6 +91,7 @@ class GroupBatch:
                     t = torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=pad)
                 parts.append(t)
             return torch.cat(parts)
+
         def nan(b):
             return torch.full_like(b.reward, math.nan)
         return GroupBatch(
