@@ -4,6 +4,7 @@
     python bench/explore.py redteam --lanes 2    # two runs at a time, each pinned to its own core
     python bench/explore.py toy --report-only    # the table of what has finished
     python bench/explore.py redteam --steps 150 --report-only --plot found.png   # and the curves
+    python bench/explore.py redteam --steps 150 --report-only --frontier frontier.png  # over β
 
 Every run is `python tba.py --task TASK --seed S` plus a setting's flags. Toy (exact: final
 toy/tv, lower is better, and toy/modes, the modes of six where the policy holds at least half
@@ -38,13 +39,15 @@ the only difference (on-policy TB at one β is the same run as RLOO):
   tb-keep-best-explore  the same, sampling each group at a temperature in [0.7, 1.4]
   tb-sync-keep-best  that buffer without a searcher process: each step samples 2 of its 4
                      groups fresh from the policy and replays 2 from the buffer (--replay-groups)
-  beta-0.1/...       RLOO and the last one at the task's β 0.1: the frontier's second point
+  beta-0.1/...       RLOO, tb-keep-best-explore and tb-sync-keep-best at the task's β 0.1:
+                     the diversity–success frontier's second point
 
 A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
 again; `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
 its trainer and searcher share that core). Trained models are deleted after each run.
 """
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -95,6 +98,7 @@ SETTINGS = {
         "tb-sync-keep-best": [*WEAK_KL, *SYNC_KEEP_BEST],
         "beta-0.1/rloo": ["--searchers", "0", "--loss", "rloo"],
         "beta-0.1/tb-keep-best-explore": [*KEEP_BEST, "--search-temperature", "0.7", "1.4"],
+        "beta-0.1/tb-sync-keep-best": SYNC_KEEP_BEST,
     },
 }
 METRICS = {"toy": ("toy/tv", "toy/modes"),
@@ -131,7 +135,40 @@ def plot_found(data, plot_to):
     print(f"\nplot: {plot_to}")
 
 
-def report(task, runs, seeds, steps, settings, plot_to=None):
+def plot_frontier(points, plot_to):
+    """Red-teaming: the diversity–success frontier, a dot per run at its (distinct successes,
+    diversity of the newest successes) at equal groups generated, a line per method through the
+    seeds' means at each β, labelled by β."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for colour, (method, by_beta) in enumerate(sorted(points.items())):
+        means = []
+        for beta, runs_ in sorted(by_beta.items()):
+            ax.scatter([f for f, _ in runs_], [d for _, d in runs_], color=f"C{colour}", s=12,
+                       alpha=0.5)
+            means.append((statistics.mean(f for f, _ in runs_),
+                          statistics.mean(d for _, d in runs_), beta))
+            ax.annotate(f"β {beta:g}", means[-1][:2], fontsize=7, color=f"C{colour}")
+        ax.plot([m[0] for m in means], [m[1] for m in means], "o-", color=f"C{colour}",
+                label=method)
+    ax.set(xlabel="distinct successful attacks, equal groups generated",
+           ylabel="diversity of the successes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot_to, dpi=120)
+    print(f"\nfrontier plot: {plot_to}")
+
+
+def beta_of(flags, task):
+    """The β a setting trains at: its --beta, else the task's default."""
+    import tasks
+    return float(flags[flags.index("--beta") + 1]) if "--beta" in flags \
+        else tasks.task_class(task).defaults["beta"]
+
+
+def report(task, runs, seeds, steps, settings, plot_to=None, frontier_to=None):
     metrics = METRICS[task]
     print(f"\n{task}: final evaluation, {len(seeds)} seeds, mean ± sd [min–max]\n")
     print("| setting | " + " | ".join(metrics) + " | modes 6 (seeds) | samples | wall s |")
@@ -156,6 +193,7 @@ def report(task, runs, seeds, steps, settings, plot_to=None):
               f"equal wall time ({wall:.0f} s):\n")
         print("| setting | found, equal generated | found, equal wall time | diversity of the "
               "newest 256 attacks' successes, equal generated |\n|---|---|---|---|")
+        points = {}                     # method -> β -> [(found, diversity) per seed]
         for setting, runs_ in data.items():
             gen, clock, diversity = [], [], []
             for t, _ in runs_:
@@ -164,8 +202,13 @@ def report(task, runs, seeds, steps, settings, plot_to=None):
                 diversity.append(at_least(t, "gen_groups", generated, "redteam/diversity") or 0)
             print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} | "
                   f"{summary(diversity)} |")
+            method = setting.split("/")[-1]
+            points.setdefault(method, {})[beta_of(SETTINGS[task][setting], task)] = \
+                list(zip(gen, diversity))
         if plot_to:
             plot_found(data, plot_to)
+        if frontier_to:
+            plot_frontier(points, frontier_to)
 
 
 def main(argv=None):
@@ -180,6 +223,8 @@ def main(argv=None):
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--plot", type=Path, help="redteam: PNG of distinct successes found "
                         "against groups generated and wall time")
+    parser.add_argument("--frontier", type=Path, help="redteam: PNG of diversity against "
+                        "distinct successes, a line per method over its β settings")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     import tasks
@@ -193,7 +238,7 @@ def main(argv=None):
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
         run_all(todo, args.lanes)
-    report(args.task, runs, args.seeds, steps, chosen, args.plot)
+    report(args.task, runs, args.seeds, steps, chosen, args.plot, args.frontier)
 
 
 if __name__ == "__main__":
