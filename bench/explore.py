@@ -43,7 +43,7 @@ the only difference (on-policy TB at one β is the same run as RLOO):
                      the diversity–success frontier's second point
 
 A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
-again; `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
+again (with --steps, resumed from its checkpoint of every 10 steps); `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
 its trainer and searcher share that core). Trained models are deleted after each run.
 """
 import argparse
@@ -236,8 +236,8 @@ def main(argv=None):
     todo = [(["--task", args.task, "--seed", str(seed), *SETTINGS[args.task][setting], *longer],
              folder(runs, setting, seed)) for seed in args.seeds for setting in chosen]
     todo = [t for t in todo if not finished(t[1], steps)]
-    if not args.report_only:
-        run_all(todo, args.lanes)
+    if not args.report_only:       # a longer run checkpoints every 10 steps, resumed if stopped
+        run_all(todo, args.lanes, save_every=10 if args.steps else 0)
     report(args.task, runs, args.seeds, steps, chosen, args.plot, args.frontier)
 
 

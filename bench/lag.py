@@ -1,6 +1,6 @@
 """Accuracy against staleness: trajectory balance and off-policy RLOO at an exact policy lag.
 
-    python bench/lag.py arith                 # TB, RLOO+IS, VCPO at L = 0 4 16, seeds 0 1 2
+    python bench/lag.py arith --reuse runs/bench-arith   # TB, RLOO+IS, VCPO at L = 0 4 16, seeds 0 1 2
     python bench/lag.py toy                   # TB, RLOO, RLOO+IS, VCPO at L = 0 32 128
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
@@ -14,13 +14,16 @@ the table shows what staleness alone costs each loss, free of replay and of proc
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
   rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
   vcpo      rloo-is with each step's learning rate times √(ESS/N) (`trainer.ess_step_scale`)
-arith runs at β = 0.05, the TRL comparison's setting (bench/vs_trl.py), whose tba-sync runs are
-TB at L = 0: a folder of those (`--reuse DIR`) is copied in instead of being run again.
+arith runs at the task's defaults (100 steps, β 0.2, lr 1e-5), so that a lag is small against
+the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same command), and
+`--reuse runs/bench-arith` copies those in instead of running them again (a bench/vs_trl.py
+folder's `tba-sync` runs too, with `--steps` and flags to match). The 25-step grid of round 5
+ran at β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
 
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
 the figures that matter most); a finished run (its metrics hold the last step's evaluation) is
-skipped, an unfinished one started again. --lanes 2 runs two at once, each with `taskset` on
-one core (tba then uses one thread). The trained models and --lag's weight files are deleted
+skipped, an unfinished one started again (arith: resumed from its checkpoint of every 10
+steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread). The trained models and --lag's weight files are deleted
 after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
@@ -39,9 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 TASKS = {
-    "arith": dict(flags=["--beta", "0.05", "--beta-final", "0.05"],
+    "arith": dict(flags=[],
                   losses=("tb", "rloo-is", "vcpo"), lags=(16, 4, 0), metric="eval/accuracy",
-                  better="higher"),
+                  better="higher", save_every=10),    # ~70 min a run: a stopped one resumes
     "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is", "vcpo"), lags=(128, 32, 0),
                 metric="toy/tv", better="lower"),
 }
@@ -75,8 +78,9 @@ def run_all(todo, lanes, save_every=0):
     (each on its own core with `taskset` when 2). With `save_every` 0, no checkpoints and an
     unfinished run starts again; else a checkpoint every `save_every` steps (the newest kept),
     and a run stopped part-way resumes from it (`tba.py --resume`: a synchronous run resumed
-    is the run that never stopped). The trained model, --lag's weight files and the checkpoints
-    are deleted when a run ends. Also used by bench/explore.py and bench/compare.py."""
+    is the run that never stopped). The trained model is deleted when a run ends; the
+    checkpoints and --lag's weight files when it ends well (a failed run can resume from them).
+    Also used by bench/explore.py and bench/compare.py."""
     todo, running = list(todo), {}                     # lane -> (Popen, out, log)
     while todo or running:
         for lane in range(lanes):
@@ -101,8 +105,8 @@ def run_all(todo, lanes, save_every=0):
                 log.close()
                 del running[lane]
                 print(f"done {out.name}: exit {proc.returncode}", flush=True)
-                # The model and --lag's old weights go; the checkpoints once nothing is to resume.
-                for kept in ("final", "lag", *(("checkpoints",) if proc.returncode == 0 else ())):
+                # The model goes; the checkpoints and --lag's old weights once nothing is to resume.
+                for kept in ("final", *(("lag", "checkpoints") if proc.returncode == 0 else ())):
                     shutil.rmtree(out / kept, ignore_errors=True)
 
 
@@ -182,8 +186,9 @@ def main(argv=None):
                         "-STEPS when --steps is given")
     parser.add_argument("--steps", type=int, help="trainer steps of every run (default: the "
                         "task's; its schedule's warm-up and decay stay as they are)")
-    parser.add_argument("--reuse", type=Path, help="arith: a bench/vs_trl.py folder whose "
-                        "tba-sync-sN runs are TB at L = 0 (the same command)")
+    parser.add_argument("--reuse", type=Path, help="arith: a bench/compare.py folder whose "
+                        "tb-sync-sN runs (or a bench/vs_trl.py one whose tba-sync-sN runs) are "
+                        "TB at L = 0: the same command")
     parser.add_argument("--plot", type=Path, help="PNG of final metric against lag")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
@@ -197,14 +202,16 @@ def main(argv=None):
                                          + (f"-{steps}" if args.steps else ""))
     if args.reuse:
         for seed in args.seeds:
-            source, target = args.reuse / f"tba-sync-s{seed}", folder(runs, "tb", 0, seed)
-            if finished(source, steps) and not finished(target, steps):
+            target = folder(runs, "tb", 0, seed)
+            source = next((args.reuse / f"{name}-s{seed}" for name in ("tb-sync", "tba-sync")
+                           if finished(args.reuse / f"{name}-s{seed}", steps)), None)
+            if source and not finished(target, steps):
                 shutil.copytree(source, target, dirs_exist_ok=True)
     todo = [(flags(args.task, loss, lag, seed, steps), folder(runs, loss, lag, seed))
             for lag in spec["lags"] for seed in args.seeds for loss in spec["losses"]]
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
-        run_all(todo, args.lanes)
+        run_all(todo, args.lanes, save_every=spec.get("save_every", 0))
     report(args.task, runs, args.seeds, steps, args.plot)
 
 
