@@ -43,8 +43,9 @@ the only difference (on-policy TB at one β is the same run as RLOO):
                      the diversity–success frontier's second point
 
 A finished run (its last evaluation is at the last step) is skipped, an unfinished one started
-again (with --steps, resumed from its checkpoint of every 10 steps); `--lanes 2` runs two at once with `taskset`, one core each (a one-searcher run then has
-its trainer and searcher share that core). Trained models are deleted after each run.
+again (with --steps, resumed from its checkpoint of every 10 steps); `--lanes 2` runs two at
+once with `taskset`, one core each (a one-searcher run then has its trainer and searcher share
+that core). Trained models are deleted after each run.
 """
 import argparse
 import statistics

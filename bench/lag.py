@@ -1,6 +1,6 @@
 """Accuracy against staleness: trajectory balance and off-policy RLOO at an exact policy lag.
 
-    python bench/lag.py arith --reuse runs/bench-arith   # TB, RLOO+IS, VCPO at L = 0 4 16, seeds 0 1 2
+    python bench/lag.py arith --reuse runs/bench-arith   # TB, RLOO+IS, VCPO at L = 0 4 16
     python bench/lag.py toy                   # TB, RLOO, RLOO+IS, VCPO at L = 0 32 128
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
@@ -23,8 +23,9 @@ ran at β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
 the figures that matter most); a finished run (its metrics hold the last step's evaluation) is
 skipped, an unfinished one started again (arith: resumed from its checkpoint of every 10
-steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread). The trained models and --lag's weight files are deleted
-after each run (the figures are in metrics.jsonl). The report gives the final metric, the metric at
+steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread).
+The trained models are deleted after each run, the checkpoints and --lag's weight files after
+each run that ends well (the figures are in metrics.jsonl). The report gives the final metric, the metric at
 each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
 through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
