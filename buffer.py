@@ -332,22 +332,27 @@ class ReplayBuffer:
         if priority_temp is not None and priority_temp <= 0:
             raise ValueError(f"priority_temp must be > 0, got {priority_temp}")
         with self._lock:  # held for selection and copy: the chosen completions cannot change
+            index, version = self.prompt_index.numpy(), self.version.numpy()   # [C], [C]
+            reward = self.reward.numpy()                                       # [C]
             available = self._available(min_version, max_reuse)                # [C]
-            left = self._counts(available)                                     # [N]
+            # The drawable slots and their prompts, found once: each group then searches these.
+            drawable = np.flatnonzero(available)                               # [A]
+            drawable_prompt = index[drawable]                                  # [A]
+            left = np.bincount(drawable_prompt, minlength=self.n_prompts)      # [N]
             if not 1 <= n_groups <= groups_in(left, self.group_size):
                 raise ValueError(f"cannot sample {n_groups} groups from a buffer holding "
                                  f"{groups_in(left, self.group_size)} of version >= "
                                  f"{min_version}"
                                  + (f" drawn fewer than {max_reuse} times" if max_reuse else ""))
-            index, version = self.prompt_index.numpy(), self.version.numpy()   # [C], [C]
             policy = (index >= 0) & (version != REFERENCE)                     # [C]
             newest = version[policy].max() if policy.any() else REFERENCE - 1
             recent_mask = available & (version == newest)                      # [C]
-            prompt_reward = None
+            prompt_reward, log_weight = None, np.zeros(len(drawable))          # [A] uniform
             if priority_temp is not None:
-                reward = np.where(available, self.reward.numpy(), 0.0)         # [C]
-                prompt_reward = np.bincount(index.clip(0), weights=reward,
+                drawable_reward = reward[drawable].astype(np.float64)          # [A]
+                prompt_reward = np.bincount(drawable_prompt, weights=drawable_reward,
                                             minlength=self.n_prompts) / np.maximum(left, 1)
+                log_weight = drawable_reward / priority_temp                   # [A]
             everything = Pool(available, left, prompt_reward, priority_temp)
             recent = Pool(recent_mask, self._counts(recent_mask))
             # One draw from the caller's torch generator seeds this sample's NumPy generator:
@@ -357,21 +362,21 @@ class ReplayBuffer:
             groups, recent_count = [], 0
             for _ in range(n_groups):
                 from_recent = rng.random() < recent_frac and recent.weight.any()
-                groups.append(self._draw_group(recent if from_recent else everything,
-                                               (everything, recent), priority_temp, rng))
+                pool = recent if from_recent else everything
+                prompt = pool.pick_prompt(rng)
+                mine = np.flatnonzero(drawable_prompt == prompt)               # [m] of [A]
+                groups.append(self._draw_group(prompt, drawable[mine], log_weight[mine], pool,
+                                               (everything, recent), rng))
                 recent_count += int(from_recent)
             return self._copy_out(groups, recent_count)
 
-    def _draw_group(self, pool, pools, priority_temp, rng):
-        """One group from `pool` (under the lock): a prompt by the pool's weights, then up to K
-        of its completions, uniformly or by reward; they leave every pool of `pools`.
-        -> slots [k] (NumPy)"""
-        prompt = pool.pick_prompt(rng)
-        candidates = np.flatnonzero(self.prompt_index.numpy() == prompt)      # [m] its slots
-        candidates = candidates[pool.mask[candidates]]                         # [n] in the pool
-        log_weights = (self.reward.numpy()[candidates].astype(np.float64) / priority_temp
-                       if priority_temp else np.zeros(len(candidates)))             # [n]
-        slots = candidates[draw_without_replacement(log_weights, self.group_size, rng)]  # [k]
+    def _draw_group(self, prompt, candidates, log_weight, pool, pools, rng):
+        """One group of `prompt` from `pool` (under the lock): up to K of its `candidates` [m]
+        still in the pool, drawn by `log_weight` [m] (0: uniformly, else reward / priority_temp);
+        they leave every pool of `pools`. -> slots [k] (NumPy)"""
+        inside = pool.mask[candidates]                                         # [m]
+        candidates, log_weight = candidates[inside], log_weight[inside]        # [n] in the pool
+        slots = candidates[draw_without_replacement(log_weight, self.group_size, rng)]  # [k]
         for each in pools:
             each.take(prompt, slots)
         return slots
@@ -392,12 +397,12 @@ class ReplayBuffer:
 
         def gather(field, empty):                                              # [B, K]
             return torch.from_numpy(np.where(keep, field.numpy()[idx], empty))
+        response_ids = self.response_ids.numpy()[idx, :R_b].astype(np.int64)   # [B, K, R']
+        response_ids[~keep] = self.pad_id      # (faster than a masked copy with np.where)
         return GroupBatch(
             prompt_ids=torch.from_numpy(self.prompt_ids.numpy()[prompts, -P_b:].astype(np.int64)),
             prompt_mask=torch.from_numpy(np.arange(P_b) >= P_b - p_len[:, None]).long(),  # [B, P']
-            response_ids=torch.from_numpy(np.where(keep[..., None],
-                                                   self.response_ids.numpy()[idx, :R_b],
-                                                   self.pad_id).astype(np.int64)),   # [B, K, R']
+            response_ids=torch.from_numpy(response_ids),
             response_len=torch.from_numpy(r_len),
             reward=gather(self.reward, 0.0),
             ref_logp=gather(self.ref_logp, 0.0),
