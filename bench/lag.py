@@ -5,6 +5,7 @@
     python bench/lag.py arith --lanes 2       # two runs at a time, each pinned to its own core
     python bench/lag.py arith --report-only   # the table and the plot of what has finished
     python bench/lag.py arith --steps 25      # shorter runs, in runs/bench-lag-arith-25
+    python bench/lag.py arith --dtype float32 # as the float32 runs before it, on any machine
 
 Every run is `python tba.py --task TASK --lag L --loss LOSS --seed S` plus the task's flags
 below: the synchronous loop, whose groups are sampled by the policy as it was exactly L updates
@@ -25,8 +26,9 @@ the figures that matter most); a finished run (its metrics hold the last step's 
 skipped, an unfinished one started again (arith: resumed from its checkpoint of every 10
 steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread).
 The trained models are deleted after each run, the checkpoints and --lag's weight files after
-each run that ends well (the figures are in metrics.jsonl). The report gives the final metric, the metric at
-each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
+each run that ends well (the figures are in metrics.jsonl, which git keeps: a new checkout
+reports a finished run and skips it). The report gives the final metric, the metric at each
+evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
 through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
 it the metric against step, a line per loss and lag.
@@ -68,10 +70,11 @@ def finished(run_dir, steps):
     return bool(evals) and evals[-1]["step"] == steps and len(train) == steps
 
 
-def flags(task, loss, lag, seed, steps):
+def flags(task, loss, lag, seed, steps, dtype="auto"):
     uncorrected = ["--rloo-off-policy"] if loss == "rloo" else []    # on stale data, as asked
     return ["--task", task, "--searchers", "0", "--lag", str(lag), "--loss", loss, "--seed",
-            str(seed), "--steps", str(steps), *uncorrected, *TASKS[task]["flags"]]
+            str(seed), "--steps", str(steps), "--dtype", dtype, *uncorrected,
+            *TASKS[task]["flags"]]
 
 
 def run_all(todo, lanes, save_every=0):
@@ -190,6 +193,9 @@ def main(argv=None):
     parser.add_argument("--reuse", type=Path, help="arith: a bench/compare.py folder whose "
                         "tb-sync-sN runs (or a bench/vs_trl.py one whose tba-sync-sN runs) are "
                         "TB at L = 0: the same command")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="every run's --dtype: float32 to extend a grid run on a machine "
+                        "without native bfloat16 (auto picks bfloat16 where it is faster)")
     parser.add_argument("--plot", type=Path, help="PNG of final metric against lag")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
@@ -208,7 +214,7 @@ def main(argv=None):
                            if finished(args.reuse / f"{name}-s{seed}", steps)), None)
             if source and not finished(target, steps):
                 shutil.copytree(source, target, dirs_exist_ok=True)
-    todo = [(flags(args.task, loss, lag, seed, steps), folder(runs, loss, lag, seed))
+    todo = [(flags(args.task, loss, lag, seed, steps, args.dtype), folder(runs, loss, lag, seed))
             for lag in spec["lags"] for seed in args.seeds for loss in spec["losses"]]
     todo = [t for t in todo if not finished(t[1], steps)]
     if not args.report_only:
