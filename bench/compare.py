@@ -29,7 +29,7 @@ Runs go seed by seed (so that a stopped bench has every setting for the first se
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
 run in --runs (its last evaluation logged) is not run again, so the script can be stopped and
 restarted (an unfinished arith run resumes from its checkpoint of every 10 steps); the trained
-models are deleted (the figures are in metrics.jsonl, which git keeps). Then it prints
+models are deleted (the figures are in metrics.jsonl). Then it prints
 each metric as mean ± standard deviation over the seeds [min–max] (arith also each run's
 evaluations and whether the goal of 100-step learning is met: mean final accuracy ≥ 0.93, every
 seed ≥ 0.88, no evaluation after step 25 more than 5 points below the best before it), and

@@ -26,9 +26,8 @@ the figures that matter most); a finished run (its metrics hold the last step's 
 skipped, an unfinished one started again (arith: resumed from its checkpoint of every 10
 steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread).
 The trained models are deleted after each run, the checkpoints and --lag's weight files after
-each run that ends well (the figures are in metrics.jsonl, which git keeps: a new checkout
-reports a finished run and skips it). The report gives the final metric, the metric at each
-evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
+each run that ends well (the figures are in metrics.jsonl). The report gives the final metric,
+the metric at each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
 mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
 through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
 it the metric against step, a line per loss and lag.
