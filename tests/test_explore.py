@@ -261,9 +261,11 @@ def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path
     """--searchers 0 --replay-groups 2, B = 3: the first step samples all 3 groups; each later
     step 1 fresh group of the policy's version and 2 drawn from what earlier steps stored, and
     every completion is the one stored (its log μ is the unchanged policy's log π)."""
+    # float32, not --dtype auto: the claim is equality with the test's own float32 forward, and
+    # auto picks bfloat16 autocast on a CPU with native bfloat16 (log-probs then differ by ~1e-3)
     cfg = config.resolve(config.Config(task="toy", searchers=0, prompts_per_step=3,
                                        replay_groups=2, group_size=8, priority_temp=1.0,
-                                       out=str(tmp_path)))
+                                       dtype="float32", out=str(tmp_path)))
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     source = sources.make_source(cfg, task=task, policy=policy,

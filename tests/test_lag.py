@@ -144,9 +144,11 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
 
 
 def lagged_source(lag, out):
-    """An InProcess source of the toy task with --lag `lag`, and the policy it lags behind."""
+    """An InProcess source of the toy task with --lag `lag`, and the policy it lags behind. In
+    float32, not --dtype auto: the tests compare with their own float32 forward passes, and auto
+    picks bfloat16 autocast on a CPU with native bfloat16 (log-probs then differ by ~1e-3)."""
     cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8,
-                         out=str(out)))
+                         dtype="float32", out=str(out)))
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     ref_model = copy.deepcopy(policy).requires_grad_(False)
