@@ -24,6 +24,10 @@ defaults and one change each:
                    reference, which keeps showing the loss what the policy dropped
   tb-sync-decay50  --decay-steps 50: the learning rate falls linearly over the second half of
                    the run instead of the last 10 steps, where the late falls happen
+  tb-sync-bf16     --dtype bfloat16: forward passes in bfloat16 autocast, as TRL's GRPOTrainer
+                   runs by default (bench/vs_trl.py), where the settings above run float32
+  tb-sync-beta0.05-bf16  the same at β 0.05 (r/β = 20 for a right answer, against 5): a
+                   weaker pull towards the reference, to compare with GRPO's
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
@@ -94,7 +98,10 @@ TASKS = {
         settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr3e-5": [*SYNC, "--lr", "3e-5"],
                   "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
                   "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"],
-                  "tb-sync-decay50": [*SYNC, "--decay-steps", "50"]},
+                  "tb-sync-decay50": [*SYNC, "--decay-steps", "50"],
+                  "tb-sync-bf16": [*SYNC, "--dtype", "bfloat16"],
+                  "tb-sync-beta0.05-bf16": [*SYNC, "--dtype", "bfloat16", "--beta", "0.05",
+                                            "--beta-final", "0.05"]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
                  "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
                  "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),

@@ -71,7 +71,8 @@ import sys
 import time
 from pathlib import Path
 
-from compare import REPO, spread      # also puts the repo on sys.path
+from compare import REPO             # also puts the repo on sys.path
+from lag import summary as spread   # mean ± sd [min–max] (n=...)
 import config
 import plot
 import searcher
