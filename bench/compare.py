@@ -25,7 +25,8 @@ defaults and one change each:
   tb-sync-decay50  --decay-steps 50: the learning rate falls linearly over the second half of
                    the run instead of the last 10 steps, where the late falls happen
   tb-sync-bf16     --dtype bfloat16: forward passes in bfloat16 autocast, as TRL's GRPOTrainer
-                   runs by default (bench/vs_trl.py), where the settings above run float32
+                   runs by default (bench/vs_trl.py); the settings above take --dtype auto
+                   (float32 unless bfloat16 matmuls time faster on this CPU)
   tb-sync-beta0.05-bf16  the same at β 0.05 (r/β = 20 for a right answer, against 5): a
                    weaker pull towards the reference, to compare with GRPO's
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
