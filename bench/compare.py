@@ -13,8 +13,10 @@ every seed. Settings:
                    own β is not run: on one on-policy batch its gradient is (β/2)·K/(K−1) times
                    TB's, so after clipping and Adam it is the same run as tb-sync (weights within
                    3e-6 after 30 red-teaming steps). KL-regularised RL is usually run weaker.
-arith runs 100 steps (learning that lasts: does accuracy hold after its best?), from today's
-defaults and one change each:
+arith runs 100 steps (learning that lasts: does accuracy hold after its best?). tb-sync and
+tb-async are today's defaults (β 0.05 since round 13); the settings below were the round-8
+defaults (β 0.2, written out: BETA_02) and one change each, kept as the runs in RESULTS had them:
+  tb-sync-beta0.2  the round-8 default itself (RESULTS: round 8, five seeds)
   tb-sync-lr3e-5   --lr 3e-5, the default before lr 1e-5: steps 3x larger
   tb-sync-temp1    --temperature 1: the policy and the reference are the model's softmax at
                    temperature 1, not 0.7 (both sample and score at --temperature): a broader
@@ -27,8 +29,10 @@ defaults and one change each:
   tb-sync-bf16     --dtype bfloat16: forward passes in bfloat16 autocast, as TRL's GRPOTrainer
                    runs by default (bench/vs_trl.py); the settings above take --dtype auto
                    (float32 unless bfloat16 matmuls time faster on this CPU)
-  tb-sync-beta0.05-bf16  the same at β 0.05 (r/β = 20 for a right answer, against 5): a
-                   weaker pull towards the reference, to compare with GRPO's
+  tb-sync-beta0.05-bf16  β 0.05 (r/β = 20 for a right answer, against 5) in bfloat16: a weaker
+                   pull towards the reference, to compare with GRPO's (the runs that made it
+                   the default)
+  tb-async-beta0.05-bf16  the same with one searcher (--searchers 1)
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
@@ -52,6 +56,8 @@ import plot  # noqa: E402
 from lag import finished, run_all, summary  # noqa: E402  the lag bench's runner and report
 
 SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]
+BETA_02 = ["--beta", "0.2", "--beta-final", "0.2"]        # arith's default in rounds 8-12
+BETA_005_BF16 = ["--dtype", "bfloat16", "--beta", "0.05", "--beta-final", "0.05"]
 CHECKPOINTS_S = (120, 240, 360)           # "so far" at these wall times
 SUMMARIZE_CHECKPOINTS_S = (240, 360)      # its evaluations come ~3 min apart
 
@@ -96,13 +102,14 @@ def last_before(rows, key, seconds):
 TASKS = {
     "arith": dict(
         common=["--steps", "100"], save_every=10,      # a run stopped part-way resumes
-        settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-lr3e-5": [*SYNC, "--lr", "3e-5"],
-                  "tb-sync-temp1": [*SYNC, "--temperature", "1.0"],
-                  "tb-sync-ref0.25": [*SYNC, "--reference-frac", "0.25"],
-                  "tb-sync-decay50": [*SYNC, "--decay-steps", "50"],
-                  "tb-sync-bf16": [*SYNC, "--dtype", "bfloat16"],
-                  "tb-sync-beta0.05-bf16": [*SYNC, "--dtype", "bfloat16", "--beta", "0.05",
-                                            "--beta-final", "0.05"]},
+        settings={"tb-sync": SYNC, "tb-async": ASYNC, "tb-sync-beta0.2": [*SYNC, *BETA_02],
+                  "tb-sync-lr3e-5": [*SYNC, *BETA_02, "--lr", "3e-5"],
+                  "tb-sync-temp1": [*SYNC, *BETA_02, "--temperature", "1.0"],
+                  "tb-sync-ref0.25": [*SYNC, *BETA_02, "--reference-frac", "0.25"],
+                  "tb-sync-decay50": [*SYNC, *BETA_02, "--decay-steps", "50"],
+                  "tb-sync-bf16": [*SYNC, *BETA_02, "--dtype", "bfloat16"],
+                  "tb-sync-beta0.05-bf16": [*SYNC, *BETA_005_BF16],
+                  "tb-async-beta0.05-bf16": [*ASYNC, *BETA_005_BF16]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
                  "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
                  "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),

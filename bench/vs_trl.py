@@ -15,7 +15,7 @@
 
 A researcher choosing between tba and TRL asks: does it learn as well, and is it faster? Each
 system trains SmolLM2-135M-Instruct on the CPU with the task's tba defaults (arith: 100 steps of
-B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.2, AdamW at lr 1e-5
+B = 4 prompts x K = 8 completions, 32 new tokens, temperature 0.7, β = 0.05, AdamW at lr 1e-5
 with warm-up-stable-decay 5/10 steps), each run in a fresh process on all cores:
   tba-sync        python tba.py --searchers 0   on-policy trajectory balance, one process
   tba-async       python tba.py --searchers 1   a searcher process and the trainer, a core each
