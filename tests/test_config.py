@@ -104,7 +104,7 @@ def test_dry_run_prints_the_settings_that_differ_and_writes_nothing(tmp_path, ca
     assert printed.startswith(f"run {out}, task arith")
     words = printed.split()
     assert "lr=0.0001" in words and "searchers=0" in words     # given: no mark
-    assert "steps=100*" in words and "beta=0.05*" in words       # the task's choice: marked
+    assert "steps=100*" in words and "beta=0.05*" in words      # the task's choice: marked
     assert not any(w.startswith(("seed=", "loss=", "keep-checkpoints=")) for w in words)  # defaults
     assert not out.exists()
 
