@@ -33,6 +33,9 @@ defaults (β 0.2, written out: BETA_02) and one change each, kept as the runs in
                    pull towards the reference, to compare with GRPO's (the runs that made it
                    the default)
   tb-async-beta0.05-bf16  the same with one searcher (--searchers 1)
+  tb-sync-eval200, tb-async-eval200  the two above evaluated on all 200 test problems
+                   (--eval-n 0), not the first 128: the goal's falls of 5 points are 6-7 of
+                   128 problems, within what one evaluation's resolution makes (see the report)
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
@@ -41,11 +44,15 @@ restarted (an unfinished arith run resumes from its checkpoint of every 10 steps
 models are deleted (the figures are in metrics.jsonl). Then it prints
 each metric as mean ± standard deviation over the seeds [min–max] (arith also each run's
 evaluations and whether the goal of 100-step learning is met: mean final accuracy ≥ 0.93, every
-seed ≥ 0.88, no evaluation after step 25 more than 5 points below the best before it), and
-`--plot` draws the task's progress metric of every run against wall time (arith: against step).
+seed ≥ 0.88, no evaluation after step 25 more than 5 points below the best before it; then
+how finely the evaluations resolve a fall: their spread from step 40 against one problem set's
+binomial sd, and the chance that a policy steady at their accuracy falls 5 points by chance on
+128 and on 200 problems), and `--plot` draws the task's progress metric of every run against
+wall time (arith: against step).
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -72,17 +79,54 @@ def largest_fall(evals, key, after):
     return fall
 
 
-def arith_goal(evals, mean_at_least=0.93, each_at_least=0.88, fall_at_most=0.05):
-    """The goal of 100-step arith runs (learning that lasts), as one line: each part met or not.
+def chance_of_fall(accuracy, problems, evaluations, fall):
+    """The chance that a policy whose greedy accuracy holds at `accuracy` shows an evaluation more
+    than `fall` below the best before it, in `evaluations` evaluations of `problems` problems,
+    each problem right with probability `accuracy` at each evaluation, independently: the fall
+    that the evaluation's own resolution makes. Exact: a walk over the best count so far."""
+    pmf = [math.comb(problems, k) * accuracy ** k * (1 - accuracy) ** (problems - k)
+           for k in range(problems + 1)]              # one evaluation's count of right answers
+    best = list(pmf)                                  # P(best so far = b, no fall yet)
+    for _ in range(evaluations - 1):
+        walk = [0.0] * (problems + 1)
+        for b, p_best in enumerate(best):
+            for k, p_k in enumerate(pmf):
+                if b - k <= fall * problems + 1e-9:   # not a fall: the walk goes on
+                    walk[max(b, k)] += p_best * p_k
+        best = walk
+    return 1 - sum(best)
+
+
+def arith_goal(evals, mean_at_least=0.93, each_at_least=0.88, fall_at_most=0.05, after=25):
+    """The goal of 100-step arith runs (learning that lasts), as one line: each part met or not;
+    then the resolution of the fall check: the spread of each run's evaluations from step 40
+    (learning is over by then) against one problem set's binomial sd at their mean accuracy, and
+    the chance that a policy steady at that accuracy falls by chance (`chance_of_fall`), per run
+    and in any of the seeds, on these problems and on 200 (arith's whole test split).
     evals: each seed's evaluation rows."""
     finals = [e[-1]["eval/accuracy"] for e in evals]
-    falls = [largest_fall(e, "eval/accuracy", 25) for e in evals]
+    falls = [largest_fall(e, "eval/accuracy", after) for e in evals]
     checks = [(f"mean final {statistics.mean(finals):.3f} ≥ {mean_at_least}",
                statistics.mean(finals) >= mean_at_least),
               (f"lowest final {min(finals):.3f} ≥ {each_at_least}", min(finals) >= each_at_least),
               (f"largest fall {max(falls):.3f} ≤ {fall_at_most}", max(falls) <= fall_at_most)]
-    return (f"{len(evals)} seeds: " + "; ".join(f"{text} ({'met' if ok else 'not met'})"
+    line = (f"{len(evals)} seeds: " + "; ".join(f"{text} ({'met' if ok else 'not met'})"
                                                 for text, ok in checks))
+    steady = [[r["eval/accuracy"] for r in e if r["step"] >= 40] for e in evals]
+    if min(map(len, steady)) < 2:
+        return line
+    accuracy = statistics.mean(a for run in steady for a in run)
+    problems, counted = evals[0][-1]["eval/n"], sum(r["step"] > after for r in evals[0])
+    chances = {n: chance_of_fall(accuracy, n, counted, fall_at_most) for n in (problems, 200)}
+    return (line + f"\n  resolution: evaluations from step 40 spread by sd "
+            f"{statistics.mean(statistics.stdev(run) for run in steady):.3f} (mean over runs) "
+            f"about their mean {accuracy:.3f}; one evaluation of {problems} problems at that "
+            f"accuracy: sd {math.sqrt(accuracy * (1 - accuracy) / problems):.3f}. A policy "
+            f"steady at {accuracy:.3f} falls more than {fall_at_most} below its best in "
+            f"{counted} evaluations by chance alone in "
+            + ", ".join(f"{chances[n]:.0%} of runs on {n} problems "
+                        f"({1 - (1 - chances[n]) ** len(evals):.0%} of {len(evals)} seeds)"
+                        for n in chances))
 
 
 def at_step(rows, step):
@@ -109,7 +153,9 @@ TASKS = {
                   "tb-sync-decay50": [*SYNC, *BETA_02, "--decay-steps", "50"],
                   "tb-sync-bf16": [*SYNC, *BETA_02, "--dtype", "bfloat16"],
                   "tb-sync-beta0.05-bf16": [*SYNC, *BETA_005_BF16],
-                  "tb-async-beta0.05-bf16": [*ASYNC, *BETA_005_BF16]},
+                  "tb-async-beta0.05-bf16": [*ASYNC, *BETA_005_BF16],
+                  "tb-sync-eval200": [*SYNC, *BETA_005_BF16, "--eval-n", "0"],
+                  "tb-async-eval200": [*ASYNC, *BETA_005_BF16, "--eval-n", "0"]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
                  "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
                  "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),
