@@ -15,11 +15,11 @@ the table shows what staleness alone costs each loss, free of replay and of proc
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
   rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
   vcpo      rloo-is with each step's learning rate times √(ESS/N) (`trainer.ess_step_scale`)
-arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13, and the 100-step
-grid in RESULTS ran at β 0.2: commit a537a91), so that a lag is small against the run: TB at
-L = 0 is then bench/compare.py's `tb-sync` run (the same command), and `--reuse
-runs/bench-arith` copies those in instead of running them again (a bench/vs_trl.py folder's
-`tba-sync` runs too, with `--steps` and flags to match). The 25-step grid of round 5 ran at
+arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13: RESULTS' round-14
+grid, with --dtype bfloat16; its rounds 8-11 grid ran at β 0.2: commit a537a91), so that a lag
+is small against the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same
+command), and `--reuse runs/bench-arith` copies those in instead of running them again (a
+bench/vs_trl.py folder's `tba-sync` runs too, with `--steps` and flags to match). The 25-step grid of round 5 ran at
 β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
 
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
@@ -155,17 +155,19 @@ def report(task, runs, seeds, steps, plot_to):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, (ax, by_step_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+        color = {loss: f"C{i}" for i, loss in enumerate(spec["losses"])}   # a loss: one colour
         for loss in spec["losses"]:
             points = sorted((lag, v) for (lo, lag), v in finals.items()
                             if lo == loss and len(v) == len(seeds))     # complete settings only
             if points:                   # the mean as a line, every seed as a dot
-                line, = ax.plot([lag for lag, _ in points],
-                                [statistics.mean(v) for _, v in points], marker="o", label=loss)
+                ax.plot([lag for lag, _ in points], [statistics.mean(v) for _, v in points],
+                        marker="o", label=loss, color=color[loss])
                 ax.scatter([lag for lag, v in points for _ in v], [x for _, v in points for x in v],
-                           color=line.get_color(), alpha=0.4, s=14)
+                           color=color[loss], alpha=0.4, s=14)
+        styles = dict(zip(sorted(spec["lags"]), ("-", "--", ":", "-.")))   # a lag: one style
         for (loss, lag), curve in curves.items():   # the mean over the finished seeds
-            by_step_ax.plot(list(curve), list(curve.values()), marker=".",
-                            label=f"{loss}, L = {lag}")
+            by_step_ax.plot(list(curve), list(curve.values()), marker=".", color=color[loss],
+                            linestyle=styles.get(lag, "-"), label=f"{loss}, L = {lag}")
         ax.set_xlabel("policy lag L (updates)")
         ax.set_ylabel(f"final {metric}")
         ax.set_title(f"{task}: mean over {len(seeds)} seeds (dots: each seed)")
