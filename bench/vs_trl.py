@@ -46,7 +46,9 @@ The algorithm stays TRL's own: GRPO advantages scaled by the group's standard de
 (scale_rewards="group"), loss_type="dapo", a per-token k3 KL estimate; so β weighs the KL
 against a normalised advantage in TRL and against r itself in TB.
 Evaluation is the project's: greedy accuracy on the same first --eval-n test problems, at
-step 0, every --eval-every steps and at the end, in float32 and eval mode for every system.
+step 0, every --eval-every steps and at the end, in eval mode: TRL's policy in float32, tba's
+at its --dtype (float32, or bfloat16 autocast when it trains in it: then 0.352 at step 0
+against float32's 0.367 on arith; a difference between the systems that is not yet removed).
 `time` is wall time since training began (after the models are loaded), evaluations included,
 as tba's metrics.jsonl counts it; TRL runs write their rows in the same format. s per step
 leaves evaluations out; tba-async's first step includes the searcher's start-up. The report
