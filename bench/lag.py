@@ -19,8 +19,8 @@ arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13: R
 grid, with --dtype bfloat16; its rounds 8-11 grid ran at β 0.2: commit a537a91), so that a lag
 is small against the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same
 command), and `--reuse runs/bench-arith` copies those in instead of running them again (a
-bench/vs_trl.py folder's `tba-sync` runs too, with `--steps` and flags to match). The 25-step grid of round 5 ran at
-β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
+bench/vs_trl.py folder's `tba-sync` runs too, with `--steps` and flags to match). The 25-step
+grid of round 5 ran at β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
 
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
 the figures that matter most); a finished run (its metrics hold the last step's evaluation) is

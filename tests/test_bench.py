@@ -1,6 +1,7 @@
 """The benches in bench/ are run by hand, for hours, so a broken import shows only when someone
 sits down to measure (vs_trl.py once imported a helper that compare.py no longer had). Each bench
-answers --help: its imports and its argument parser are sound."""
+answers --help: its imports and its argument parser are sound. And the arithmetic a bench's
+verdict rests on is checked against a reference: compare.py's chance of a fall by chance."""
 import itertools
 import math
 import subprocess
@@ -33,7 +34,8 @@ def _compare():
 
 def test_chance_of_fall_by_hand():
     # One problem, two evaluations, a fall of more than half: right, then wrong.
-    assert _compare().chance_of_fall(0.7, problems=1, evaluations=2, fall=0.5) == pytest.approx(0.7 * 0.3)
+    chance = _compare().chance_of_fall(0.7, problems=1, evaluations=2, fall=0.5)
+    assert chance == pytest.approx(0.7 * 0.3)
 
 
 @pytest.mark.parametrize("fall", [0.3, 0.5])
@@ -47,4 +49,5 @@ def test_chance_of_fall_equals_enumerating_every_outcome_through_largest_fall(fa
                                           for step, k in enumerate((a, b, c))],
                                          "eval/accuracy", after=-1) > fall)
     assert 0 < chance < 1
-    assert compare.chance_of_fall(accuracy, problems=n, evaluations=3, fall=fall) == pytest.approx(chance)
+    walked = compare.chance_of_fall(accuracy, problems=n, evaluations=3, fall=fall)
+    assert walked == pytest.approx(chance)
