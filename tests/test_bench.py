@@ -27,8 +27,15 @@ def test_a_bench_imports_and_answers_help(bench):
 
 
 def _compare():
+    """bench/compare.py as a module. sys.path is restored after the import: bench/ holds a
+    buffer.py, and a searcher spawned by a later test inherits sys.path and would import it in
+    place of the repo's buffer module."""
+    saved = list(sys.path)
     sys.path.insert(0, str(REPO / "bench"))
-    import compare
+    try:
+        import compare
+    finally:
+        sys.path[:] = saved
     return compare
 
 
