@@ -175,7 +175,7 @@ def report(task, runs, seeds, steps, plot_to):
         by_step_ax.set_xlabel("step")
         by_step_ax.set_ylabel(metric)
         by_step_ax.set_title("by evaluation, mean over the finished seeds")
-        by_step_ax.legend(fontsize=7)
+        by_step_ax.legend(fontsize=7, handlelength=4)   # long enough to show a dash
         fig.tight_layout()
         fig.savefig(plot_to, dpi=120)
         print(f"\nplot: {plot_to}")
