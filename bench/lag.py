@@ -15,7 +15,7 @@ the table shows what staleness alone costs each loss, free of replay and of proc
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
   rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
   vcpo      rloo-is with each step's learning rate times √(ESS/N) (`trainer.ess_step_scale`)
-arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13: RESULTS' round-14
+arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13: RESULTS' round-14/15
 grid, with --dtype bfloat16; its rounds 8-11 grid ran at β 0.2: commit a537a91), so that a lag
 is small against the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same
 command), and `--reuse runs/bench-arith` copies those in instead of running them again (a
