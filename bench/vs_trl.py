@@ -21,12 +21,13 @@ with warm-up-stable-decay 5/10 steps), each run in a fresh process on all cores:
   tba-async       python tba.py --searchers 1   a searcher process and the trainer, a core each
   trl-default     trl.GRPOTrainer, GRPOConfig defaults except the matched settings below
   trl-comparable  the same, with TRL's compute made tba's: activation_checkpointing (TRL's
-                  gradient_checkpointing) and bf16 as tba runs the task (arith: both off; the
-                  report prints the exact difference). TRL's defaults turn both on. bf16 makes
-                  accelerate wrap the model's forward in bfloat16 autocast, so TRL samples
-                  (`generate` too), scores and trains in bfloat16 where tba uses float32 on a
-                  CPU (--dtype auto). Checkpointing recomputes each decoder layer in backward;
-                  TRL switches it off around `generate`, so it leaves the generation cache on.
+                  gradient_checkpointing) and bf16 as tba runs the task (arith: checkpointing
+                  off, bf16 where the CPU has native bfloat16; the report prints the exact
+                  difference). TRL's defaults turn both on. bf16 makes accelerate wrap the
+                  model's forward in bfloat16 autocast, so TRL samples (`generate` too), scores
+                  and trains in bfloat16, as tba's --dtype auto does on such a CPU (float32 on
+                  others). Checkpointing recomputes each decoder layer in backward; TRL
+                  switches it off around `generate`, so it leaves the generation cache on.
 Matched (tba setting -> GRPOConfig field or GRPOTrainer argument):
   train prompts, in the order tba-sync draws them -> a Dataset of the formatted texts (str
       prompts: TRL tokenises them as they are; the run checks they give tba's token ids, so no
@@ -52,9 +53,11 @@ against float32's 0.367 on arith; a difference between the systems that is not y
 `time` is wall time since training began (after the models are loaded), evaluations included,
 as tba's metrics.jsonl counts it; TRL runs write their rows in the same format. s per step
 leaves evaluations out; tba-async's first step includes the searcher's start-up. The report
-gives each figure as mean ± sd [min–max] over the seeds, then whether the issue's goal is met
-(tba's mean end accuracy at least the best TRL row's; its mean time to --target at most half
-the fastest TRL row's). Runs go seed by seed (a stopped bench has every system for the first
+gives each figure as mean ± sd [min–max] over the seeds, then whether the goals are met: tba's
+mean end accuracy at least the best TRL row's, with an sd no larger; its accuracy at the first
+evaluation (step 10) within 3 points of the best TRL row's there. TRL at its own learning rate
+runs in a folder of its own (`-- --lr 3e-6` above); `--trl-runs` puts those rows in the report
+of this folder's runs. Runs go seed by seed (a stopped bench has every system for the first
 seeds); a finished run in --runs is skipped, an unfinished one is started again. Every run
 folder holds a metrics.jsonl in tba's format: `python tba.py plot DIR [DIR ...]` draws them.
 """
@@ -292,25 +295,42 @@ def report(results, outs, metric, target, seconds, steps, args):
     print(f"\nmachine: {machine()}; {versions()}\ncommand: python {' '.join(sys.argv)}")
     if "trl-default" in results and "trl-comparable" in results:
         print(f"trl-comparable's GRPOConfig differs from trl-default's in: {trl_differences(outs)}")
-    mean = {s: statistics.mean(r["end"] for r in runs) for s, runs in results.items()}
-    reach = {s: statistics.mean(time_to(r["curve"], target) for r in runs)
-             for s, runs in results.items()}
+    for line in goals(results):
+        print(line)
+
+
+def goals(results):
+    """The goals of issue 34, one line per tba system: its mean end accuracy at least the best
+    TRL row's, with an sd no larger than that row's; and its accuracy at the first evaluation
+    after step 0 (step 10 on arith) within 3 points of the TRL row that is best there."""
+    def end(runs):
+        return [r["end"] for r in runs]
+
+    def early(runs):
+        step = min(set.intersection(*(set(r["by_step"]) for r in runs)) - {0})
+        return step, [r["by_step"][step][1] for r in runs]
+
+    def sd(values):
+        return statistics.stdev(values) if len(values) > 1 else 0.0
     trl = [s for s in results if s.startswith("trl")]
     if not trl:
-        return
-    best, fastest = max(trl, key=mean.get), min(trl, key=reach.get)
+        return []
     met = {True: "met", False: "not met"}
-
-    def when(t):
-        return f"{t:.0f} s" if t < math.inf else "not reached by every seed"
+    best = max(trl, key=lambda s: statistics.mean(end(results[s])))
+    fastest = max(trl, key=lambda s: statistics.mean(early(results[s])[1]))
+    lines = []
     for system in (s for s in results if s.startswith("tba")):
-        ratio = (f" ({reach[system] / reach[fastest]:.2f}x)"
-                 if max(reach[system], reach[fastest]) < math.inf else "")
-        print(f"goal, {system}: end {metric} {mean[system]:.3f} vs {best}'s {mean[best]:.3f}: "
-              f"{met[mean[system] >= mean[best]]}; time to {target:.3f}: "
-              f"{when(reach[system])} vs {fastest}'s {when(reach[fastest])}{ratio}, at most half: "
-              f"{met[reach[system] < math.inf and reach[system] <= reach[fastest] / 2]}")
-
+        mine, theirs = end(results[system]), end(results[best])
+        step, at_step = early(results[system])
+        their_step, theirs_early = early(results[fastest])
+        lines.append(
+            f"goal, {system}: end {statistics.mean(mine):.3f} ± {sd(mine):.3f} vs {best}'s "
+            f"{statistics.mean(theirs):.3f} ± {sd(theirs):.3f}: mean at least theirs "
+            f"{met[statistics.mean(mine) >= statistics.mean(theirs)]}, sd at most theirs "
+            f"{met[sd(mine) <= sd(theirs)]}; step {step} {statistics.mean(at_step):.3f} vs "
+            f"{fastest}'s {statistics.mean(theirs_early):.3f} (step {their_step}), within 0.03 "
+            f"{met[statistics.mean(at_step) >= statistics.mean(theirs_early) - 0.03]}")
+    return lines
 
 def main(argv):
     if argv[:1] == ["trl"]:
@@ -334,6 +354,9 @@ def main(argv):
     parser.add_argument("--target", type=float, help="the metric value whose time to reach is "
                         "reported (default: midway between step 0 and the best system's end)")
     parser.add_argument("--plot", default="", help="write the metric against wall time here (.png)")
+    parser.add_argument("--trl-runs", nargs="+", default=[], help="more folders of this bench "
+                        "whose finished TRL runs join the report, named by the folder's flags, "
+                        "e.g. runs/bench-vs-trl-lr-3e-6 (TRL at its own learning rate)")
     parser.epilog = ("tba.py flags after `--` apply to every run, e.g. `-- --beta 0.05 "
                      "--beta-final 0.05` (the TRL runs get the matching settings)")
     args = parser.parse_args(argv)
@@ -356,11 +379,22 @@ def main(argv):
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    extra = [Path(d).resolve() for d in args.trl_runs]
+    for d in extra:
+        if not d.is_dir():
+            print(f"error: --trl-runs {d} is not a folder: give one this bench wrote, e.g. "
+                  "runs/bench-vs-trl-lr-3e-6", file=sys.stderr)
+            sys.exit(2)
     steps = args.steps or tasks.task_class(args.task).defaults["steps"]
     outs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in args.systems}
     for i, seed in enumerate(args.seeds):
         for system in args.systems:
             run(system, seed, outs[system][i], flags, steps)
+    for d in extra:   # reported only: their runs are started by this bench with their own flags
+        for system in (s for s in SYSTEMS if s.startswith("trl")):
+            runs = [d / f"{system}-s{seed}" for seed in args.seeds]
+            if all(finished(r, steps) for r in runs):
+                outs[f"{system} {d.name.removeprefix('bench-vs-trl-')}"] = runs
     seconds = min(plot.read_metrics(o)[1][-1]["time"] for runs in outs.values() for o in runs)
     results = {s: [stats(o, args.metric, seconds) for o in runs] for s, runs in outs.items()}
     target = args.target

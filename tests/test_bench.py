@@ -1,7 +1,9 @@
 """The benches in bench/ are run by hand, for hours, so a broken import shows only when someone
 sits down to measure (vs_trl.py once imported a helper that compare.py no longer had). Each bench
 answers --help: its imports and its argument parser are sound. And the arithmetic a bench's
-verdict rests on is checked against a reference: compare.py's chance of a fall by chance."""
+verdict rests on is checked against a reference: compare.py's chance of a fall by chance,
+vs_trl.py's goals against numbers worked by hand."""
+import importlib
 import itertools
 import math
 import subprocess
@@ -26,17 +28,20 @@ def test_a_bench_imports_and_answers_help(bench):
     assert done.stdout.startswith("usage:"), done.stdout[:500]
 
 
-def _compare():
-    """bench/compare.py as a module. sys.path is restored after the import: bench/ holds a
-    buffer.py, and a searcher spawned by a later test inherits sys.path and would import it in
-    place of the repo's buffer module."""
+def _bench(name):
+    """bench/<name>.py as a module. bench/ holds a buffer.py (the buffer's bench), so the repo
+    goes before it on sys.path, and sys.path is restored after the import: a searcher spawned by
+    a later test inherits it and would import bench/buffer.py in place of the repo's buffer."""
     saved = list(sys.path)
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path[:0] = [str(REPO), str(REPO / "bench")]
     try:
-        import compare
+        return importlib.import_module(name)
     finally:
         sys.path[:] = saved
-    return compare
+
+
+def _compare():
+    return _bench("compare")
 
 
 def test_chance_of_fall_by_hand():
@@ -58,3 +63,34 @@ def test_chance_of_fall_equals_enumerating_every_outcome_through_largest_fall(fa
     assert 0 < chance < 1
     walked = compare.chance_of_fall(accuracy, problems=n, evaluations=3, fall=fall)
     assert walked == pytest.approx(chance)
+
+
+def test_vs_trl_goals_by_hand():
+    """Two seeds a system: the best TRL row by end accuracy is the lr-3e-6 one (0.95 ± 0.014),
+    the best at step 10 the default one (0.71). tba-sync: 0.96 ± 0.007 at the end (mean and sd
+    met), 0.675 at step 10 (more than 3 points behind 0.71); tba-async: 0.96 ± 0.042 (sd not
+    met), 0.70 at step 10 (within 3 points)."""
+    def runs(ends, at_10):
+        return [dict(end=e, by_step={0: (0.0, 0.35), 10: (60.0, a), 100: (600.0, e)})
+                for e, a in zip(ends, at_10)]
+    lines = _bench("vs_trl").goals({
+        "tba-sync": runs([0.955, 0.965], [0.67, 0.68]),
+        "tba-async": runs([0.93, 0.99], [0.69, 0.71]),
+        "trl-default": runs([0.90, 0.96], [0.72, 0.70]),
+        "trl-default lr-3e-6": runs([0.94, 0.96], [0.60, 0.62])})
+    assert lines == [
+        "goal, tba-sync: end 0.960 ± 0.007 vs trl-default lr-3e-6's 0.950 ± 0.014: mean at least "
+        "theirs met, sd at most theirs met; step 10 0.675 vs trl-default's 0.710 (step 10), "
+        "within 0.03 not met",
+        "goal, tba-async: end 0.960 ± 0.042 vs trl-default lr-3e-6's 0.950 ± 0.014: mean at "
+        "least theirs met, sd at most theirs not met; step 10 0.700 vs trl-default's 0.710 "
+        "(step 10), within 0.03 met"]
+
+
+def test_vs_trl_refuses_a_missing_trl_runs_folder_before_any_run(tmp_path):
+    done = subprocess.run([sys.executable, "bench/vs_trl.py", "--systems", "tba-sync", "--runs",
+                           str(tmp_path / "runs"), "--trl-runs", str(tmp_path / "missing")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --trl-runs") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
