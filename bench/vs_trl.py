@@ -332,6 +332,7 @@ def goals(results):
             f"{met[statistics.mean(at_step) >= statistics.mean(theirs_early) - 0.03]}")
     return lines
 
+
 def main(argv):
     if argv[:1] == ["trl"]:
         return run_trl(argv[1], argv[2:])
