@@ -40,13 +40,9 @@ def _bench(name):
         sys.path[:] = saved
 
 
-def _compare():
-    return _bench("compare")
-
-
 def test_chance_of_fall_by_hand():
     # One problem, two evaluations, a fall of more than half: right, then wrong.
-    chance = _compare().chance_of_fall(0.7, problems=1, evaluations=2, fall=0.5)
+    chance = _bench("compare").chance_of_fall(0.7, problems=1, evaluations=2, fall=0.5)
     assert chance == pytest.approx(0.7 * 0.3)
 
 
@@ -54,7 +50,7 @@ def test_chance_of_fall_by_hand():
 def test_chance_of_fall_equals_enumerating_every_outcome_through_largest_fall(fall):
     """The exact walk against all 4^3 outcomes of three evaluations of three problems, each
     weighed by its binomial probability and judged by the function that measures the runs."""
-    compare, accuracy, n = _compare(), 0.6, 3
+    compare, accuracy, n = _bench("compare"), 0.6, 3
     pmf = [math.comb(n, k) * accuracy ** k * (1 - accuracy) ** (n - k) for k in range(n + 1)]
     chance = sum(pmf[a] * pmf[b] * pmf[c] for a, b, c in itertools.product(range(n + 1), repeat=3)
                  if compare.largest_fall([{"step": step, "eval/accuracy": k / n}
