@@ -10,6 +10,8 @@
                                         # every system's settings, TRL's matched too (README: β 0.05)
     python bench/vs_trl.py --systems trl-default -- --lr 3e-6   # TRL at its own learning rate
                                         # (in runs/bench-vs-trl-lr-3e-6)
+    python bench/vs_trl.py --report-only   # no runs: the table of the finished ones (a seed
+                                        # not finished is left out of its system's row)
     python bench/vs_trl.py trl trl-comparable --task arith --seed 0 --out DIR   # one TRL run,
                                         # with the settings these tba.py flags would use
 
@@ -271,12 +273,13 @@ def trl_differences(outs):
 
 
 def report(results, outs, metric, target, seconds, steps, args):
-    n = len(args.seeds)
+    sizes = {len(runs) for runs in outs.values()}   # --report-only: rows may have fewer seeds
+    n = f"{sizes.pop()} seeds" if len(sizes) == 1 else "seeds: n= in each cell"
     how = "" if args.target is not None else " (midway between step 0 and the best end)"
     print(f"\n{args.task}: {steps} steps, the same completions trained on by every run; "
           f"'at {seconds:.0f} s' = the last evaluation by the time the first run finished; "
           f"target {target:.3f}{how}\n")
-    print(f"| system ({n} seed{'s' * (n > 1)}) | {metric} step 0 | {metric} end | {metric} at "
+    print(f"| system ({n}) | {metric} step 0 | {metric} end | {metric} at "
           f"{seconds:.0f} s | s per step | s to reach {target:.3f} | wall (s) |\n|" + " --- |" * 7)
     for system, runs in results.items():
         reach = [time_to(r["curve"], target) for r in runs]
@@ -355,6 +358,8 @@ def main(argv):
     parser.add_argument("--target", type=float, help="the metric value whose time to reach is "
                         "reported (default: midway between step 0 and the best system's end)")
     parser.add_argument("--plot", default="", help="write the metric against wall time here (.png)")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the table (and "
+                        "plot) of the finished ones; a seed not finished is left out of its row")
     parser.add_argument("--trl-runs", nargs="+", default=[], help="more folders of this bench "
                         "whose finished TRL runs join the report, named by the folder's flags, "
                         "e.g. runs/bench-vs-trl-lr-3e-6 (TRL at its own learning rate)")
@@ -365,7 +370,8 @@ def main(argv):
         if args.quick and getattr(args, key) is None:
             setattr(args, key, value)
     args.seeds = args.seeds or [0, 1, 2]
-    if any(s.startswith("trl") for s in args.systems) and not importlib.util.find_spec("trl"):
+    if (not args.report_only and any(s.startswith("trl") for s in args.systems)
+            and not importlib.util.find_spec("trl")):
         sys.exit('error: TRL is not installed: pip install "trl==1.16.0" "torch==2.13.0" '
                  '"transformers==5.23.0"')
     folder = (Path(args.runs).resolve() if args.runs
@@ -390,7 +396,14 @@ def main(argv):
     outs = {s: [folder / f"{s}-s{seed}" for seed in args.seeds] for s in args.systems}
     for i, seed in enumerate(args.seeds):
         for system in args.systems:
-            run(system, seed, outs[system][i], flags, steps)
+            if not args.report_only:
+                run(system, seed, outs[system][i], flags, steps)
+    outs = {s: [o for o in runs if finished(o, steps)] for s, runs in outs.items()}
+    outs = {s: runs for s, runs in outs.items() if runs}   # --report-only: what has finished
+    if not outs:
+        print(f"error: no finished run of {', '.join(args.systems)} in {folder}: run the bench "
+              "without --report-only first (or give --runs the folder it wrote)", file=sys.stderr)
+        sys.exit(2)
     for d in extra:   # reported only: their runs are started by this bench with their own flags
         for system in (s for s in SYSTEMS if s.startswith("trl")):
             runs = [d / f"{system}-s{seed}" for seed in args.seeds]

@@ -5,6 +5,7 @@ verdict rests on is checked against a reference: compare.py's chance of a fall b
 vs_trl.py's goals against numbers worked by hand."""
 import importlib
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -90,3 +91,35 @@ def test_vs_trl_refuses_a_missing_trl_runs_folder_before_any_run(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: --trl-runs") and done.stderr.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+def _finished_run(out, ends):
+    """A run folder as tba.py and the TRL runner write it: a training row a step, an evaluation
+    at step 0 and at the last step (the last being what makes the run finished)."""
+    out.mkdir(parents=True)
+    rows = [{"step": 0, "time": 10.0, "eval/accuracy": ends[0], "eval/n": 128}]
+    rows += [{"step": s, "time": 10.0 + 20 * s, "loss": 0.1, "reward_mean": 0.5} for s in (1, 2)]
+    rows += [{"step": 2, "time": 55.0, "eval/accuracy": ends[1], "eval/n": 128}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_vs_trl_report_only_reports_the_finished_runs_and_starts_none(tmp_path):
+    """tba-sync finished on seeds 0 and 1, trl-default on seed 0 only: the report has both rows
+    (n=2 and n=1) and trl-default's seed-1 run is not started; nothing finished is an error."""
+    runs = tmp_path / "runs"
+    _finished_run(runs / "tba-sync-s0", (0.35, 0.90))
+    _finished_run(runs / "tba-sync-s1", (0.35, 0.80))
+    _finished_run(runs / "trl-default-s0", (0.37, 0.70))
+    command = [sys.executable, "bench/vs_trl.py", "--report-only", "--systems", "tba-sync",
+               "trl-default", "--seeds", "0", "1", "--steps", "2", "--runs", str(runs)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| tba-sync | 0.350 ± 0.000 [0.350–0.350] (n=2) | 0.850 ± 0.071" in done.stdout
+    assert "| trl-default | 0.370 ± 0.000 [0.370–0.370] (n=1) | 0.700 ± 0.000" in done.stdout
+    assert "goal, tba-sync: end 0.850 ± 0.071 vs trl-default's 0.700 ± 0.000" in done.stdout
+    assert sorted(p.name for p in runs.iterdir()) == ["tba-sync-s0", "tba-sync-s1",
+                                                       "trl-default-s0"]
+    done = subprocess.run([*command[:-1], str(tmp_path / "empty")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: no finished run") and done.stderr.count("\n") == 1
