@@ -24,6 +24,7 @@ import torch
 
 import loggers
 import models
+import placement
 import tasks
 from tasks import scorers
 
@@ -235,7 +236,8 @@ class Config:
                             and set(loggers.names(v)) <= set(loggers.CHOICES)),
                            "tensorboard, wandb or tensorboard,wandb"))
     seed: int = flag(0, "random seed", within(0, 2**32 - 1))
-    device: str = flag("auto", "torch device for the trainer: auto, cpu, cuda, cuda:1, ...")
+    device: str = flag("auto", "the trainer's device: auto (cuda:0 if there is a GPU, else "
+                               "cpu), cpu or cuda:N; with 2+ GPUs the searchers take the others")
 
 
 
@@ -431,7 +433,7 @@ def check_combination(cfg):
         raise ValueError(f"--device {cfg.device!r} is not a torch device: use auto, cpu, cuda "
                          "or cuda:N") from None
     if device.type == "cuda":
-        gpus = torch.cuda.device_count()
+        gpus = placement.gpu_count()
         if not gpus:
             raise ValueError(f"--device {cfg.device}: this machine has no CUDA GPU that torch "
                              "can use: use --device cpu")
@@ -481,15 +483,17 @@ def resolve(cfg, recipe=None):
     from_task = {k for k in task_defaults if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **{k: task_defaults[k] for k in from_task})
     if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+        cfg.device = placement.default_device()
+    elif cfg.device.startswith("cuda") and placement.gpu_count():
+        cfg.device = placement.indexed(cfg.device)      # cuda -> cuda:0
     if cfg.dtype == "auto":             # bfloat16 where the hardware has it and it is faster
-        gpu = cfg.device.startswith("cuda") and torch.cuda.is_available()
+        gpu = cfg.device.startswith("cuda") and placement.gpu_count() > 0
         cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
                      or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")
     if cfg.searchers is None and cfg.lag:
         cfg.searchers = 0                 # a lag is the synchronous loop's
     elif cfg.searchers is None:
-        cfg.searchers = max(1, torch.cuda.device_count() - 1) if cfg.device.startswith("cuda") else 1
+        cfg.searchers = max(1, placement.gpu_count() - 1) if cfg.device.startswith("cuda") else 1
     if not cfg.out:
         cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_ranges(cfg)

@@ -185,15 +185,6 @@ def _seconds(fn):
     return time.perf_counter() - start
 
 
-def use_device(device):
-    """Make `device` this process's GPU, with TF32 matmuls (float32 matmuls on tensor cores with
-    a 10-bit mantissa: 8× the float32 rate of an A100). Trainer and searchers both call it, so
-    their float32 log-probs are computed alike. Nothing to do on a CPU."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)     # libraries that use "the current GPU" use ours
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-
-
 def left_pad(sequences, pad_id):
     """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them."""
     width = max(map(len, sequences))

@@ -163,7 +163,7 @@ def run_record(cfg, layout):
                          "torch": torch.__version__, "transformers": transformers.__version__},
             "layout": {"trainer": str(layout.device), "searchers": layout.searcher_devices,
                        "threads_per_process": layout.threads, "cpu_count": os.cpu_count(),
-                       "gpus": torch.cuda.device_count()}}
+                       "gpus": layout.gpus}}
 
 
 class MetricsLog:

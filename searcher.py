@@ -24,9 +24,11 @@ import torch.multiprocessing as mp
 from transformers.utils import logging as transformers_logging
 
 import models
+import placement
 import tasks
 from buffer import REFERENCE, GroupBatch
 from trainer import group_logprobs
+from weights import probe_logp
 
 
 def prompt_batches(prompts, batch_size, seed):
@@ -155,9 +157,8 @@ class Searcher:
     """
 
     def __init__(self, rank, cfg, device, threads):
-        torch.set_num_threads(threads)
-        device = torch.device(device)
-        models.use_device(device)
+        self.placed = str(device)         # as placement gave it (cuda:1); `device`: its tensors'
+        device = placement.set_up_process(device, threads)
         self.rank, self.cfg = rank, cfg
         self.task = tasks.make_task(cfg)
         self.policy, self.tokenizer = self.task.load_model(device)
@@ -208,6 +209,19 @@ def add_to_buffer(buffer, prompt_ids, batch):
                    embedding=None if batch.embedding is None else batch.embedding[i])
 
 
+def receive_weights(searcher, weights, version, reports, block=False):
+    """Load the newest published weights if they are newer than `version`, and report the load:
+    the version, where, how long it took, and `probe_logp` under the new weights, which the
+    trainer compares with its own. -> the version now held"""
+    start = time.perf_counter()
+    loaded = weights.receive(searcher.policy, searcher.rank, version, block=block)
+    if loaded != version:
+        reports.put({"rank": searcher.rank, "pid": os.getpid(), "device": searcher.placed,
+                     "loaded": loaded, "load_s": round(time.perf_counter() - start, 4),
+                     "probe": probe_logp(searcher.policy, searcher.dtype)})
+    return loaded
+
+
 def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     """One searcher process: load, then search with the newest weights until told to stop.
 
@@ -220,10 +234,10 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
         searcher = Searcher(rank, cfg, device, threads)
-        version = weights.receive(searcher.policy, rank, -1, block=True)
+        version = receive_weights(searcher, weights, -1, reports, block=True)
         searcher.start(version)
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer
-            version = weights.receive(searcher.policy, rank, version)
+            version = receive_weights(searcher, weights, version, reports)
             prompt_ids, batch, report = searcher.search(version, stop)
             if stop.is_set():                 # generation was cut short: not a real group
                 break

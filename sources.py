@@ -22,14 +22,11 @@ weights every --sync-every steps; it never touches processes, buffers or Ray its
                        comes back as an object reference into a replay buffer the trainer keeps
 """
 import copy
+import json
 import logging
-import math
 import os
-import queue
-import shutil
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +36,9 @@ from tqdm.auto import tqdm
 import checkpoint
 import searcher
 from buffer import GroupBatch, ReplayBuffer, shared_bytes
+from placement import check_shared_memory
 from searcher import SearcherError, add_to_buffer
+from weights import WeightChannel, copy_weights, probe_logp, shipped_state
 
 REPO = Path(__file__).resolve().parent
 
@@ -95,7 +94,7 @@ class InProcess:
     def save_weights(self, version):
         """--lag: the policy's weights now, as RUN/lag/version_<version>.pt."""
         self.lag_dir.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().cpu() for k, v in WeightChannel.shipped_state(self.policy).items()}
+        weights = {k: v.detach().cpu() for k, v in shipped_state(self.policy).items()}
         checkpoint.write_file(self.weights_file(version), lambda f: torch.save(weights, f))
 
     def load_sampler(self, version):
@@ -161,7 +160,7 @@ class InProcess:
                                   max_reuse=cfg.max_reuse)
 
     def publish(self, policy, version):
-        return 0.0                        # the searcher *is* the trainer's policy
+        return {"sync_s": 0.0}            # the searcher *is* the trainer's policy
 
     def poll(self, wait_s=0.0):
         pass
@@ -218,9 +217,13 @@ class Replay:
         self.fill_target = max(cfg.min_buffer, cfg.prompts_per_step)
         self.tokens = self.groups = 0
         self.infos = []
+        self.loads = []                   # the searchers' weight loads since the last batch
 
     def take_reports(self, reports):
         for report in reports:
+            if "loaded" in report:        # a weight load (SearcherProcesses), not a search
+                self.loads.append(report)
+                continue
             self.tokens += report["tokens"]
             self.groups += report["groups"]
             if report["info"] is not None:
@@ -254,7 +257,16 @@ class Replay:
                        "reuse_mean": batch.draws[batch.keep].float().mean().item(),
                        "buffer_completions": len(self.buffer),
                        "recent_frac_actual": batch.recent_count / len(batch.prompt_index),
-                       **searcher.sampling_metrics(batch, version)}
+                       **searcher.sampling_metrics(batch, version), **self.load_metrics()}
+
+    def load_metrics(self):
+        """The searchers' weight loads since the last batch: the slowest load, and how far the
+        probe's log-prob under a searcher's new weights was from the trainer's (0 when the
+        weights arrived whole; `weights.probe_logp`). -> dict, empty when none loaded"""
+        loads, self.loads = self.loads, []
+        diffs = [abs(r["probe"] - r["trainer_probe"]) for r in loads if "trainer_probe" in r]
+        metrics = {"searcher_load_s": round(max(r["load_s"] for r in loads), 4)} if loads else {}
+        return {**metrics, **({"sync_probe_diff_max": max(diffs)} if diffs else {})}
 
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
@@ -272,24 +284,38 @@ class SearcherProcesses(Replay):
     """--searchers N on this machine: spawned processes (searcher.SearcherPool) write to the
     shared-memory buffer and read weights from shared-memory slots."""
 
-    def __init__(self, cfg, buffer, devices, threads, interrupt):
+    def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
         super().__init__(cfg, buffer, interrupt)
-        self.devices, self.threads = devices, threads
+        self.layout = layout
         self.weights = self.pool = None
+        self.probes = {}                  # version -> the trainer's `probe_logp` of it
+        self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
+        self.loads_file = Path(cfg.out) / "weights.jsonl"
 
     def start(self, policy, version):
-        self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"))
-        self.weights.publish(policy, version)
-        self.pool = searcher.SearcherPool(self.cfg, self.devices, self.threads, self.buffer,
-                                          self.weights)
+        self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"),
+                                     device=self.layout.device)
+        self.publish(policy, version)
+        self.pool = searcher.SearcherPool(self.cfg, self.layout.searcher_devices,
+                                          self.layout.threads, self.buffer, self.weights)
 
     def publish(self, policy, version):
         t0 = time.time()
-        self.weights.publish(policy, version)
-        return time.time() - t0
+        legs = self.weights.publish(policy, version)
+        sync_s = time.time() - t0
+        self.probes[version] = probe_logp(policy, getattr(torch, self.cfg.dtype))
+        self.probes = dict(list(self.probes.items())[-8:])     # loads are never 8 syncs behind
+        return {"sync_s": round(sync_s, 4), **{k: round(v, 4) for k, v in legs.items()}}
 
     def poll(self, wait_s=0.0):
-        self.take_reports(self.pool.poll())
+        reports = self.pool.poll()
+        loads = [r for r in reports if "loaded" in r]
+        for r in loads:
+            if r["loaded"] in self.probes:
+                r["trainer_probe"] = self.probes[r["loaded"]]
+        if loads:                         # RUN/weights.jsonl: every load of every searcher
+            checkpoint.append_lines(self.loads_file, [json.dumps(r) + "\n" for r in loads])
+        self.take_reports(reports)
         time.sleep(wait_s)
 
     def close(self):
@@ -344,7 +370,7 @@ class RaySearcher:
 
     def __init__(self, rank, cfg, threads):
         import ray
-        device = "cuda" if ray.get_gpu_ids() else "cpu"   # Ray sets CUDA_VISIBLE_DEVICES
+        device = "cuda:0" if ray.get_gpu_ids() else "cpu"   # Ray sets CUDA_VISIBLE_DEVICES
         self.searcher = searcher.Searcher(rank, cfg, device, threads)
         self.version = None
 
@@ -394,11 +420,11 @@ class RaySearchers(Replay):
 
     def publish(self, policy, version):
         t0 = time.time()
-        state = {k: v.detach().to("cpu") for k, v in WeightChannel.shipped_state(policy).items()}
+        state = {k: v.detach().to("cpu") for k, v in shipped_state(policy).items()}
         state_ref = self.ray.put(state)
         for a in self.actors:
             a.set_weights.remote(state_ref, version)
-        return time.time() - t0
+        return {"sync_s": round(time.time() - t0, 4)}
 
     def poll(self, wait_s=0.0):
         ray = self.ray
@@ -427,44 +453,6 @@ class RaySearchers(Replay):
         self.ray.shutdown()               # a cluster this run started stops; another one stays
 
 
-@dataclass
-class Layout:
-    """Where each process runs (`placement`)."""
-    device: torch.device              # the trainer's
-    searcher_devices: list            # one per searcher
-    threads: int                      # CPU threads per process
-
-
-def placement(cfg):
-    """With G >= 2 GPUs the trainer takes cuda:0 and the searchers share cuda:1..G-1; with one GPU
-    everything shares it. On CPU the cores this process may use are split evenly, because
-    processes that each use every core slow each other down more than they gain. -> Layout"""
-    device = torch.device(cfg.device)
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    if gpus >= 2:
-        searcher_devices = [f"cuda:{1 + i % (gpus - 1)}" for i in range(cfg.searchers)]
-    else:
-        searcher_devices = [str(device)] * cfg.searchers
-    cores = os.cpu_count() or 1
-    if hasattr(os, "sched_getaffinity"):              # `taskset -c 0 python tba.py`: one core
-        cores = min(cores, len(os.sched_getaffinity(0)))
-    return Layout(device, searcher_devices, max(1, cores // (cfg.searchers + 1)))
-
-
-def check_shared_memory(need, shm="/dev/shm"):
-    """The weight slots and the replay buffer live in /dev/shm. Docker gives a container 64 MB
-    of it, and writing past the end kills a process with a bus error, not a message: so check
-    the space before anything is put there."""
-    if not os.path.isdir(shm):
-        return
-    free = shutil.disk_usage(shm).free
-    if need > free:
-        raise ValueError(f"{shm} has {free / 2**20:.0f} MB free but the weight slots and the "
-                         f"replay buffer need {need / 2**20:.0f} MB: give the container more "
-                         f"(docker run --shm-size={math.ceil(need * 1.5 / 2**30)}g), or lower "
-                         "--buffer-capacity, or run with --searchers 0")
-
-
 def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):
     """The group source for this run's settings. Searchers (and --replay-groups) get a replay
     buffer sized for the longest prompt (in shared memory unless they are Ray actors);
@@ -475,10 +463,10 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     longest = max(len(p.ids) for p in prompts)
     n_prompts = max(p.index for p in prompts) + 1
     embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
-    check_shared_memory((WeightChannel.bytes_needed(policy) if cfg.searchers and not cfg.ray
-                         else 0)
-                        + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens,
-                                       n_prompts, embedding_dim))
+    need = ((WeightChannel.bytes_needed(policy) if cfg.searchers and not cfg.ray else 0)
+            + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens, n_prompts,
+                           embedding_dim))
+    check_shared_memory(need)
     buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
                           n_prompts=n_prompts, pad_id=tokenizer.pad_token_id,
                           per_prompt=cfg.buffer_per_prompt, evict=cfg.buffer_evict,
@@ -488,98 +476,4 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
         return InProcess(cfg, task, policy, ref_model, tokenizer, prompts, buffer=buffer)
     if cfg.ray:
         return RaySearchers(cfg, buffer, layout.threads, interrupt)
-    return SearcherProcesses(cfg, buffer, layout.searcher_devices, layout.threads, interrupt)
-
-
-class WeightChannel:
-    """Ships the trainer's weights to the searchers: shared memory for the bytes, queues for the news.
-
-    Two shared-memory copies of the parameters are allocated once (so shared memory does not grow
-    from sync to sync), each with its own lock. Publishes alternate between the slots (by count,
-    not by version: versions are multiples of --sync-every, so `version % 2` would put every
-    publish in slot 0 when k is even) and each searcher's queue gets a note (version, slot). A
-    searcher copies the slot out under the same lock and takes the version stored *in the slot*,
-    so it never loads a half-written state dict and never mislabels one. With two slots, the
-    trainer only waits if a searcher is still reading the weights from two syncs ago.
-    """
-
-    def __init__(self, model, n_readers, ctx):
-        state = self.shipped_state(model)
-        self.names = list(state)
-        self.slots = [{k: torch.empty_like(v, device="cpu").share_memory_() for k, v in state.items()}
-                      for _ in range(2)]
-        self.slot_version = torch.full((2,), -1, dtype=torch.long).share_memory_()   # [2]
-        self.locks = [ctx.Lock() for _ in range(2)]
-        self.queues = [ctx.Queue() for _ in range(n_readers)]
-        self.publishes = 0                          # trainer side only: which slot is next
-        self.staging = None                         # trainer side, CUDA only: pinned copies
-
-    @staticmethod
-    def shipped_state(model):
-        """The state dict without repeats: tied weights (embedding = output layer) appear under
-        two names but are shipped once."""
-        seen = set()
-        return {k: v for k, v in model.state_dict().items()
-                if v.data_ptr() not in seen and not seen.add(v.data_ptr())}
-
-    @classmethod
-    def bytes_needed(cls, model):
-        """Shared memory of the two slots."""
-        return 2 * sum(v.numel() * v.element_size() for v in cls.shipped_state(model).values())
-
-    @torch.no_grad()
-    def publish(self, model, version):
-        """Trainer side: copy the weights into the free slot, then tell every searcher."""
-        slot = self.publishes % 2
-        self.publishes += 1
-        state = model.state_dict()
-        if next(model.parameters()).is_cuda:
-            # GPU → pinned host memory is one fast DMA per tensor; the slot's lock is then held
-            # only for host-to-host copies.
-            if self.staging is None:
-                self.staging = {name: torch.empty_like(state[name], device="cpu").pin_memory()
-                                for name in self.names}
-            for name in self.names:
-                self.staging[name].copy_(state[name], non_blocking=True)
-            torch.cuda.synchronize()
-            state = self.staging
-        with self.locks[slot]:
-            for name in self.names:
-                self.slots[slot][name].copy_(state[name])
-            self.slot_version[slot] = version
-        for note_queue in self.queues:
-            note_queue.put((version, slot))
-
-    def close(self):
-        """Trainer side, at shutdown: unread notes are dropped instead of blocking the exit."""
-        for note_queue in self.queues:
-            note_queue.close()
-            note_queue.cancel_join_thread()
-
-    @torch.no_grad()
-    def receive(self, model, reader, current_version, block=False):
-        """Searcher side: load the newest published weights if newer than ours. -> version"""
-        note = None
-        try:
-            note = self.queues[reader].get(block=block)
-            while True:                             # skip to the newest note
-                note = self.queues[reader].get_nowait()
-        except queue.Empty:
-            pass
-        if note is None:
-            return current_version
-        slot = note[1]
-        with self.locks[slot]:
-            version = int(self.slot_version[slot])
-            if version <= current_version:
-                return current_version
-            copy_weights(model, self.slots[slot])
-        return version
-
-
-@torch.no_grad()
-def copy_weights(model, state):
-    """Copy a `shipped_state` into the model's own tensors, in place (tied ones are set once)."""
-    own = model.state_dict()
-    for name, value in state.items():
-        own[name].copy_(value)
+    return SearcherProcesses(cfg, buffer, layout, interrupt, shared_bytes=need)

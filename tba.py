@@ -24,6 +24,7 @@ import checkpoint
 import config
 import loggers
 import models
+import placement
 import plot
 import run
 import sources
@@ -34,7 +35,7 @@ import trainer
 @dataclass
 class Setup:
     """What `load` prepares for `train`."""
-    layout: sources.Layout            # the trainer's device, the searchers', threads per process
+    layout: placement.Layout          # the trainer's device, the searchers', threads per process
     task: tasks.Task
     policy: torch.nn.Module
     tokenizer: object
@@ -50,15 +51,13 @@ def load(cfg):
     """Load the task, the policy and its frozen reference, the optimiser, the group source and,
     on --resume, the newest checkpoint: everything that can fail on bad input fails here, before
     anything is written."""
-    layout = sources.placement(cfg)
-    if layout.device.type == "cpu":
-        torch.set_num_threads(layout.threads)
-    models.use_device(layout.device)
+    layout = placement.placement(cfg)
+    device = placement.set_up_process(layout.device, layout.threads)   # where tensors go
     transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     task.check_data()                     # a missing data file is found before a model loads
-    policy, tokenizer = task.load_model(layout.device)
+    policy, tokenizer = task.load_model(device)
     trainer.check_logprobs(policy)
     if cfg.activation_checkpointing:
         trainer.enable_activation_checkpointing(policy)
@@ -71,10 +70,13 @@ def load(cfg):
     optimizer, scheduler = trainer.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
                                                   warmup_steps=cfg.warmup_steps,
                                                   decay_steps=cfg.decay_steps)
-    scaler = torch.amp.GradScaler(layout.device.type, enabled=cfg.dtype == "float16")
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
                                  tokenizer=tokenizer, prompts=prompts, layout=layout,
                                  interrupt=run.check_stop)
+    if isinstance(source, sources.SearcherProcesses) and not cfg.quiet:
+        print(f"shared memory: {source.shared_bytes / placement.GB:.2f} GB, the weight slots and "
+              "the replay buffer", flush=True)
     progress = run.Progress()
     if cfg.resume:
         progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
@@ -139,7 +141,8 @@ def train(cfg, setup):
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
                 dtype=dtype, scaler=setup.scaler)
             train_s = time.time() - t0
-            sync_s = source.publish(policy, version=step) if step % cfg.sync_every == 0 else 0.0
+            sync = (source.publish(policy, version=step) if step % cfg.sync_every == 0
+                    else {"sync_s": 0.0})                  # seconds, of each leg too
             source.poll()
             trained = source_metrics["trained_completions"]      # what the step learnt from
             progress.step, progress.samples = step, progress.samples + trained
@@ -148,7 +151,7 @@ def train(cfg, setup):
             now = time.time()
             row = {"step": step, "time": round(now - start, 3), "samples": progress.samples,
                    **stats, "beta": beta, "lr": lr, "version": version,
-                   **source_metrics, "sync_s": round(sync_s, 4), "train_s": round(train_s, 4),
+                   **source_metrics, **sync, "train_s": round(train_s, 4),
                    "gen_groups": progress.groups,
                    "gen_tokens_per_s": round(progress.tokens / (now - start), 2),
                    "samples_per_s": round(trained / (now - last), 2),
@@ -206,6 +209,7 @@ def main(argv=None):
                else config.resolve(cfg, recipe=actions["recipe"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
         print(config.describe(cfg, given, recipe=actions["recipe"]), flush=True)
+        print(placement.describe(placement.placement(cfg)), flush=True)
         if actions["dry_run"]:
             return 0
         setup = load(cfg)

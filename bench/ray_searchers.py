@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
 import plot  # noqa: E402
-import sources  # noqa: E402
+import weights  # noqa: E402
 import tba  # noqa: E402
 from searcher import Searcher  # noqa: E402
 
@@ -57,7 +57,7 @@ def transfer_sizes():
                                           "--out", "unused"])[0])
         searcher = Searcher(0, cfg, "cpu", 1)
         searcher.start(0)
-        state = sources.WeightChannel.shipped_state(searcher.policy)
+        state = weights.shipped_state(searcher.policy)
         sizes[f"{task_name} weights, one sync"] = serialised_bytes(state)
         prompt_ids, batch, report = searcher.search(0)
         sizes[f"{task_name} one group back ({cfg.group_size} completions of at most "

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models  # noqa: E402
-from sources import WeightChannel  # noqa: E402
+from weights import WeightChannel  # noqa: E402
 
 
 def reader(model_name, channel, repeats, go, results):

@@ -6,6 +6,29 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import models
+from fake_cuda import FakeCuda
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run by `make test-gpu`")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu on a machine with one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """A test not marked `gpu` runs on the CPU on a machine with GPUs too: torch is shown none,
+    in this process (a fake CUDA with no GPU) and in every process the test starts."""
+    if "gpu" not in request.keywords:
+        FakeCuda(0).install(monkeypatch.setattr)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")

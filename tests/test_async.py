@@ -18,7 +18,7 @@ import searcher
 import tasks
 import tba
 from buffer import ReplayBuffer
-from sources import WeightChannel
+from weights import WeightChannel
 from tasks.toy import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ TRAINER_HOLDING_THE_LOCK = """
 import sys, time, torch, torch.multiprocessing as mp
 import config, searcher, tasks
 from buffer import ReplayBuffer
-from sources import WeightChannel
+from weights import WeightChannel
 cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
 policy, tokenizer = tasks.make_task(cfg).load_model(torch.device("cpu"))
 buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens, n_prompts=2,

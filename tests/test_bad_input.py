@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import checkpoint
 import config
 import models
-import sources
+import weights
 import tasks
 import tba
 import trainer
@@ -310,10 +310,10 @@ def test_shared_memory_estimate_is_what_the_buffer_and_the_weights_take(tiny_mod
         tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
         assert shared_bytes(7, 5, 11, 13, dim) == sum(t.numel() * t.element_size() for t in tensors)
     model, _ = models.load_model(tiny_model_dir)
-    weights = sources.WeightChannel(model, 1, mp.get_context("spawn"))
-    assert sources.WeightChannel.bytes_needed(model) == sum(
-        t.numel() * t.element_size() for slot in weights.slots for t in slot.values())
-    weights.close()
+    channel = weights.WeightChannel(model, 1, mp.get_context("spawn"))
+    assert weights.WeightChannel.bytes_needed(model) == sum(
+        t.numel() * t.element_size() for slot in channel.slots for t in slot.values())
+    channel.close()
 
 
 def test_float16_loss_scale_survives_a_resume(tmp_path):

@@ -1,9 +1,11 @@
 """What a researcher meets first on a GPU machine: the same assertions as the CPU tests, on CUDA.
 
-Skipped where torch sees no CUDA GPU (this project's CI has none); `make test-gpu` runs them on a
-machine that has one, and the two-GPU placement test on a machine with two or more. The
-shared-prompt parity (tests/test_trainer.py) and checkpoint-and-resume (tests/test_run.py)
-tests take a `cuda` case of their own, run by `make test-gpu` too.
+Every test here is marked `gpu`: skipped where torch sees no CUDA GPU (this project's CI has
+none), run by `make test-gpu` on a machine that has one (short runs only), the two-GPU
+placement test on a machine with two or more. The shared-prompt parity (tests/test_trainer.py)
+and checkpoint-and-resume (tests/test_run.py) tests take a `cuda:0` case of their own, marked
+`gpu` too. Without a GPU, placement and each process's device set-up are tested through a fake
+CUDA (tests/test_placement.py).
 """
 import json
 
@@ -11,13 +13,16 @@ import pytest
 import torch
 
 import models
+import placement
 import tba
+import trainer
+from tasks.toy import build_model, build_tokenizer
+from test_lag import sampled
 from test_trainer import plain_logprobs, random_batch, tiny_llama
 from trainer import group_logprobs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (run `make test-gpu` on a machine with one)")
-TOY = ["--task", "toy", "--device", "cuda", "--eval-every", "100", "--quiet"]
+pytestmark = pytest.mark.gpu
+TOY = ["--task", "toy", "--eval-every", "100", "--quiet"]       # --device auto: cuda:0
 
 
 def rows(run):
@@ -25,15 +30,29 @@ def rows(run):
     return [r for r in every if "loss" in r], [r for r in every if "toy/tv" in r]
 
 
+def loads(run):
+    return [json.loads(line) for line in open(run / "weights.jsonl")]
+
+
 @pytest.mark.parametrize("searchers", ["0", "1"])
 def test_toy_learns_on_cuda(searchers, tmp_path):
-    """The synchronous loop and one searcher process, trainer on cuda: the toy reaches p*."""
+    """The synchronous loop and one searcher process, trainer on cuda:0 (--device auto): the toy
+    reaches p*. The searcher, spawned on the same GPU, loads every weight version it is sent,
+    and its probe log-prob after each load is the trainer's."""
     run = tmp_path / "run"
     assert tba.main([*TOY, "--searchers", searchers, "--out", str(run)]) == 0
     train_rows, eval_rows = rows(run)
-    assert json.loads((run / "config.json").read_text())["layout"]["trainer"] == "cuda"
+    layout = json.loads((run / "config.json").read_text())["layout"]
+    assert layout["trainer"] == "cuda:0" and layout["searchers"] == ["cuda:0"] * int(searchers)
     assert eval_rows[0]["toy/tv"] > 0.5 and eval_rows[-1]["toy/tv"] <= 0.1
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train_rows)
+    if searchers == "1":
+        versions = [r["loaded"] for r in loads(run)]
+        assert versions[0] == 0 and versions == sorted(set(versions)) and len(versions) > 3
+        assert all(r["device"] == "cuda:0" for r in loads(run))
+        diffs = [r["sync_probe_diff_max"] for r in train_rows if "sync_probe_diff_max" in r]
+        assert diffs and max(diffs) < 1e-3
+        assert any(r.get("sync_to_host_s", 0) > 0 for r in train_rows)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -41,7 +60,7 @@ def test_searchers_take_the_other_gpus(tmp_path):
     run = tmp_path / "run"
     assert tba.main([*TOY, "--searchers", "1", "--steps", "20", "--out", str(run)]) == 0
     layout = json.loads((run / "config.json").read_text())["layout"]
-    assert layout["trainer"] == "cuda" and layout["searchers"] == ["cuda:1"]
+    assert layout["trainer"] == "cuda:0" and layout["searchers"] == ["cuda:1"]
 
 
 def test_bfloat16_autocast_run(tmp_path):
@@ -72,3 +91,28 @@ def test_bfloat16_sampling_and_scoring_agree_on_cuda():
     # log-prob by twice that, summed over at most 6 response tokens (tests/test_trainer.py).
     assert largest_logit > 5
     assert (scored - reference).abs().max() <= 6 * 2 * largest_logit * 2 ** -9
+
+
+@pytest.mark.parametrize("make, prompts", [("toy", [[1], [4, 2]]), ("llama", [[3, 5, 7], [4, 2]])])
+def test_generate_behaviour_logprobs_are_the_trainers_under_bfloat16_autocast(make, prompts):
+    """log μ recorded by `generate` (the sampling pass, with its KV cache) against the trainer's
+    scoring of the same completions (the shared-prompt pass), both under bfloat16 autocast on
+    the GPU with TF32 on, as a searcher and the trainer run them: equal up to bfloat16's
+    rounding of the logits (2^-9 of the largest, twice per token log-prob), over 5 tokens."""
+    placement.set_up_process("cuda:0", 1)
+    tokenizer = build_tokenizer()
+    model = (build_model(len(tokenizer)) if make == "toy" else tiny_llama()).cuda()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)            # logits far from uniform
+    with models.autocast("cuda:0", torch.bfloat16):
+        response_ids, behaviour_logp, logp = sampled(model, tokenizer, prompts, temperature=0.7)
+        largest_logit = model(input_ids=response_ids.flatten(0, 1)).logits.abs().max().item()
+    assert behaviour_logp.device.type == "cuda" and behaviour_logp.shape == (2, 6)
+    assert (behaviour_logp - logp).abs().max() <= 5 * 2 * (largest_logit / 0.7) * 2 ** -9 + 1e-4
+
+
+def test_check_logprobs_passes_with_tf32_on():
+    """`check_logprobs` runs after the process's set-up has switched TF32 matmuls on."""
+    placement.set_up_process("cuda:0", 1)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    trainer.check_logprobs(tiny_llama().cuda())

@@ -22,10 +22,10 @@ def sampled(model, tokenizer, prompts, k=6, temperature=1.0):
     ids, mask, response_ids, response_len, behaviour_logp = models.generate(
         model, tokenizer, prompts, num_samples=k, max_new_tokens=5, temperature=temperature,
         with_logprobs=True)
-    zeros = torch.zeros(len(prompts), k)
+    zeros = torch.zeros(len(prompts), k, device=ids.device)
     batch = GroupBatch(ids, mask, response_ids, response_len, reward=zeros, ref_logp=zeros,
-                       version=torch.zeros(len(prompts), dtype=torch.long),
-                       prompt_index=torch.arange(len(prompts)))
+                       version=torch.zeros(len(prompts), dtype=torch.long, device=ids.device),
+                       prompt_index=torch.arange(len(prompts), device=ids.device))
     with torch.no_grad():
         logp = trainer.group_logprobs(model, batch, temperature).view(len(prompts), k)
     return response_ids, behaviour_logp, logp

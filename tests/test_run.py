@@ -64,8 +64,7 @@ def test_save_every_0_writes_the_final_model_and_no_checkpoint(tmp_path):
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 9))
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on a machine with one)"))
+CUDA = pytest.param("cuda:0", marks=pytest.mark.gpu)       # skipped without a GPU
 
 
 EXPLORE = ["--search-temperature", "0.5", "2", "--reference-frac", "0.3"]
@@ -76,7 +75,7 @@ REPLAY = ["--prompts-per-step", "3", "--replay-groups", "2", "--priority-temp", 
 
 @pytest.mark.parametrize("device, extra", [
     ("cpu", []), ("cpu", ["--lag", "3"]), ("cpu", EXPLORE), ("cpu", REPLAY),
-    pytest.param("cuda", [], marks=CUDA.marks)])
+    pytest.param("cuda:0", [], marks=CUDA.marks)])
 def test_resume_gives_the_same_run(device, extra, tmp_path, monkeypatch):
     """8 steps straight == 4 steps, Ctrl-C, resume, 4 more: same weights, same metrics. With
     --lag the old weights the sampler needs next travel in the checkpoint; with exploration,

@@ -100,8 +100,7 @@ def test_schedules():
     assert factors == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25])
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on a machine with one)"))
+CUDA = pytest.param("cuda:0", marks=pytest.mark.gpu)       # skipped without a GPU
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -116,7 +115,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_full_sequences(build, ch
     Tolerance: float32 sums of at most 6 log-probs near -3 each, and gradients of order 1: a
     few ulps of accumulation order, far below any bug (a shifted position or a masked-out prompt
     token changes them at the first significant digit). On CUDA TF32 stays off (torch's
-    default; `models.use_device` is not called), so the tolerance is the same."""
+    default; `placement.set_up_process` is not called), so the tolerance is the same."""
     model = (copy.deepcopy(toy[0]) if build == "gpt2" else tiny_llama()).to(device)
     vocab = model.get_output_embeddings().out_features
     batch = random_batch(vocab).to(device)

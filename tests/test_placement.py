@@ -1,0 +1,169 @@
+"""Where each process runs, on machines with 0 to 8 GPUs, checked through a strict fake CUDA
+(tests/fake_cuda.py): resolve -> placement -> each process's device set-up, the layout that
+--dry-run prints, a run whose searcher processes record the device they were given and every
+weight version they loaded, and the trainer's pinned staging for the weights."""
+import json
+import re
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import config
+import placement
+import tba
+from fake_cuda import PINNED, FakeCuda, set_devices
+from tasks.toy import build_model, build_tokenizer
+from weights import WeightChannel, copy_weights, probe_logp
+
+
+def fake_gpus(monkeypatch, count, log=None):
+    """This process and every process it spawns see `count` fake GPUs."""
+    for name, value in FakeCuda.environment(count, log or "").items():
+        monkeypatch.setenv(name, value)
+    return FakeCuda(count, log=log).install(monkeypatch.setattr)
+
+
+def dry_run_layout(capsys, *args):
+    """`tba.py --task gsm8k --dry-run ARGS` -> {process: device} as the settings block prints it."""
+    assert tba.main(["--task", "gsm8k", "--dry-run", *args]) == 0
+    out = capsys.readouterr().out
+    return dict(re.findall(r"^    (trainer|searcher \d+) +(\S+),", out, re.M)), out
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("trainer_gpu", [None, 1])
+def test_dry_run_puts_the_trainer_alone_on_its_gpu(gpus, trainer_gpu, monkeypatch, capsys):
+    """Every device indexed; one GPU: everything on cuda:0; two or more: the trainer alone on
+    its GPU (cuda:0, or the one --device cuda:k names) and the searchers on the others, in turn.
+    --searchers defaults to one per other GPU (one with a single GPU)."""
+    if trainer_gpu is not None and trainer_gpu >= gpus:
+        pytest.skip("no such GPU")
+    fake_gpus(monkeypatch, gpus)
+    args = [] if trainer_gpu is None else ["--device", f"cuda:{trainer_gpu}"]
+    layout, out = dry_run_layout(capsys, *args)
+    trainer = f"cuda:{trainer_gpu or 0}"
+    searchers = [layout[f"searcher {i}"] for i in range(len(layout) - 1)]
+    assert layout["trainer"] == trainer
+    assert all(re.fullmatch(r"cuda:\d", d) for d in layout.values())
+    assert f"where it runs ({gpus} GPU" in out and "shared memory" in out
+    if gpus == 1:
+        assert searchers == ["cuda:0"]
+    else:
+        assert len(searchers) == gpus - 1
+        assert sorted(searchers) == sorted(f"cuda:{i}" for i in range(gpus) if f"cuda:{i}" != trainer)
+    # more searchers than GPUs: still never on the trainer's, spread evenly over the others
+    layout, _ = dry_run_layout(capsys, *args, "--searchers", "5")
+    searchers = [layout[f"searcher {i}"] for i in range(5)]
+    if gpus >= 2:
+        assert trainer not in searchers
+        counts = [searchers.count(d) for d in set(searchers)]
+        assert max(counts) - min(counts) <= 1
+    else:
+        assert searchers == ["cuda:0"] * 5
+
+
+def test_no_gpu_and_bare_cuda(monkeypatch, capsys):
+    """No GPU: everything on the CPU, the cores split; --device cuda (no index) is cuda:0."""
+    fake_gpus(monkeypatch, 0)
+    layout, out = dry_run_layout(capsys)
+    assert set(layout.values()) == {"cpu"} and "(no GPU," in out
+    fake_gpus(monkeypatch, 2)
+    layout, _ = dry_run_layout(capsys, "--device", "cuda")
+    assert layout == {"trainer": "cuda:0", "searcher 0": "cuda:1"}
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_every_process_sets_itself_up_on_the_device_it_was_given(gpus, monkeypatch, tmp_path):
+    """resolve -> placement -> `set_up_process` for the trainer and each searcher, through the
+    fake's strict `set_device` (which refuses "cuda" as torch does): every call succeeds, each on
+    the device the layout names, and the tensors of a faked GPU go to the CPU."""
+    log = tmp_path / "set_device.log"
+    fake = fake_gpus(monkeypatch, gpus, log)
+    cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "3"])[0])
+    layout = placement.placement(cfg)
+    for device in [layout.device, *layout.searcher_devices]:
+        assert placement.set_up_process(device, layout.threads) == torch.device("cpu")
+        assert fake.current == torch.device(device).index
+    assert [line.split()[1] for line in log.read_text().splitlines()] == [
+        str(layout.device), *layout.searcher_devices]
+    assert torch.get_num_threads() == layout.threads
+    with pytest.raises(ValueError, match="index"):
+        placement.set_up_process("cuda", 1)
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_device(torch.device("cuda"))          # the fake refuses as torch does
+
+
+def test_a_run_with_searchers_on_the_other_gpus(monkeypatch, tmp_path):
+    """Four fake GPUs, the trainer on cuda:1, two searcher processes: each process sets up the
+    device the layout gives it (searchers on cuda:0 and cuda:2, none on the trainer's), each
+    searcher loads version 0 and then newer weights only, every one a published version, and
+    the probe's log-prob under each load is the trainer's."""
+    log, run = tmp_path / "set_device.log", tmp_path / "run"
+    fake_gpus(monkeypatch, 4, log)
+    assert tba.main(["--task", "toy", "--device", "cuda:1", "--searchers", "2", "--steps", "40",
+                     "--sync-every", "2", "--eval-every", "100", "--quiet",
+                     "--out", str(run)]) == 0
+    layout = json.loads((run / "config.json").read_text())["layout"]
+    assert layout["trainer"] == "cuda:1" and layout["searchers"] == ["cuda:0", "cuda:2"]
+    by_pid = set_devices(log)
+    assert sorted(d for devices in by_pid.values() for d in devices) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert all(len(devices) == 1 for devices in by_pid.values())       # one set-up per process
+    loads = [json.loads(line) for line in open(run / "weights.jsonl")]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    for rank in (0, 1):
+        mine = [r for r in loads if r["rank"] == rank]
+        versions = [r["loaded"] for r in mine]
+        assert versions[0] == 0 and versions == sorted(set(versions))
+        assert all(v % 2 == 0 and v <= 40 for v in versions)
+        assert {r["device"] for r in mine} == {layout["searchers"][rank]}
+        assert by_pid[mine[0]["pid"]] == [layout["searchers"][rank]]
+    diffs = [r["sync_probe_diff_max"] for r in rows if "sync_probe_diff_max" in r]
+    assert diffs and max(diffs) < 1e-4
+    synced = [r for r in rows if "loss" in r and r["step"] % 2 == 0]
+    assert all("sync_to_host_s" in r and "sync_to_slot_s" in r for r in synced)
+
+
+def hold(channel, ready, done):
+    """A searcher's side of the staging test: receive the channel, say so, wait."""
+    ready.set()
+    done.wait(60)
+
+
+def test_the_trainers_staging_stays_pinned_and_private(monkeypatch):
+    """The pinned staging a GPU trainer publishes through is made at the first publish, before
+    the searchers are spawned with the channel: sending it to them must not move it to shared
+    memory (where it stops being pinned and is a third copy of the weights in /dev/shm)."""
+    fake_gpus(monkeypatch, 1)
+    ctx = mp.get_context("spawn")
+    model = build_model(len(build_tokenizer()))
+    channel = WeightChannel(model, 1, ctx, device="cuda:0")
+    legs = channel.publish(model, 0)
+    assert set(legs) == {"sync_to_host_s", "sync_to_slot_s"}
+    assert all(t.data_ptr() in PINNED for t in channel.staging.values())
+    ready, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=hold, args=(channel, ready, done))
+    child.start()
+    try:
+        assert ready.wait(60)
+        assert not any(t.is_shared() for t in channel.staging.values())
+        assert all(t.is_pinned() for t in channel.staging.values())
+        shared = sum(t.numel() * t.element_size() for slot in channel.slots for t in slot.values())
+        assert shared == WeightChannel.bytes_needed(model)
+    finally:
+        done.set()
+        child.join()
+        channel.close()
+
+
+def test_the_probe_tells_a_failed_sync():
+    """The probe's log-prob is the same for the same weights and differs for others: a searcher
+    that copied the weights gets the trainer's number, one that did not does not."""
+    tokenizer = build_tokenizer()
+    trained, searcher_copy = build_model(len(tokenizer)), build_model(len(tokenizer))
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert probe_logp(searcher_copy) != probe_logp(trained)
+    copy_weights(searcher_copy, {k: v for k, v in trained.state_dict().items()})
+    assert probe_logp(searcher_copy) == probe_logp(trained)
