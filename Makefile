@@ -25,8 +25,8 @@ run: install
 test: install install-ray install-loggers
 	$(PYTHON) -m pytest -q
 
-test-gpu: install install-ray   # the CUDA tests (skipped without a GPU): run on a GPU machine
-	$(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_trainer.py tests/test_run.py
+test-gpu: install install-ray   # the tests marked gpu (skipped without a GPU): run on a GPU machine
+	$(PYTHON) -m pytest -q -rs -m gpu tests/test_gpu.py tests/test_trainer.py tests/test_run.py
 
 notebooks: install     # run every notebook in notebooks/ top to bottom, and the graders
 	$(PYTHON) -m pytest -q tests/test_notebooks.py

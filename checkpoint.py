@@ -159,10 +159,11 @@ def load(path, model):
     path = Path(path)
     hint = f"delete {path} to resume from the checkpoint before it"
     try:
-        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+        trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
         buffer_file = path / "buffer.pt"
         if buffer_file.exists():
-            trainer_state["source"]["buffer"] = torch.load(buffer_file, weights_only=True)
+            trainer_state["source"]["buffer"] = torch.load(buffer_file, map_location="cpu",
+                                                          weights_only=True)
         saved = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
     except Exception as e:

@@ -98,15 +98,16 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     reward, info = task.score(repeated, completions)
     reward = torch.tensor(reward, dtype=torch.float32)
     per_completion = (len(prompts), group_size)                                # [B, K]
+    on = prompt_ids.device               # every tensor of the batch where the model is
     batch = GroupBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_len=response_len, reward=reward.view(per_completion).to(prompt_ids.device),
-        ref_logp=torch.zeros(per_completion, device=prompt_ids.device),
-        version=torch.where(from_reference, REFERENCE, version).long()[:, None].expand(per_completion),
-        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long),
+        response_len=response_len, reward=reward.view(per_completion).to(on),
+        ref_logp=torch.zeros(per_completion, device=on),
+        version=torch.where(from_reference, REFERENCE, version).long()[:, None].expand(per_completion).to(on),
+        prompt_index=torch.tensor([p.index for p in prompts], dtype=torch.long, device=on),
         behaviour_logp=behaviour_logp,
-        search_temperature=temperatures[:, None].expand(per_completion),
-        from_reference=from_reference[:, None].expand(per_completion), info=info)
+        search_temperature=temperatures[:, None].expand(per_completion).to(on),
+        from_reference=from_reference[:, None].expand(per_completion).to(on), info=info)
     if isinstance(info, dict) and "embeddings" in info:   # for the buffer's near-duplicate merge
         batch.embedding = torch.as_tensor(info["embeddings"]).view(len(prompts), group_size, -1)
     n_completions = len(prompts) * group_size

@@ -352,7 +352,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
     grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
                              max_grad_norm=max_grad_norm, lr_scale=lr_scale)
-    give_back_freed_memory()
+    if device.type == "cpu":            # a GPU's activations are not on the heap
+        give_back_freed_memory()
     return {
         "loss": total_loss,
         "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z

@@ -123,3 +123,21 @@ def test_vs_trl_report_only_reports_the_finished_runs_and_starts_none(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.startswith("error: no finished run") and done.stderr.count("\n") == 1
+
+
+def test_the_gpu_check_runs_on_tiny_shapes(tiny_model_dir, tmp_path):
+    """bench/gpu.py, the check prepared for the first GPU machine, on the CPU with tiny shapes,
+    so that it cannot rot while no GPU is at hand: every section reports its figures, none fails."""
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--device", "cpu",
+                           "--out", str(out), "--model-files", str(tiny_model_dir),
+                           "--only", "memory", "search", "sync", "overlap"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = (out / "gpu.md").read_text()
+    assert "failed" not in report, report
+    figures = json.loads((out / "gpu.json").read_text())
+    assert len([k for k in figures if k.startswith("step_s/")]) == 4
+    assert figures["tokens_per_s/tiny Llama"] > 0 and figures["searcher_load_s"] > 0
+    assert figures["samples_per_s/0"] > 0 and figures["samples_per_s/1"] > 0
+    assert figures["staleness/1"] > 0 == figures["staleness/0"]
