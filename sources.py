@@ -73,7 +73,7 @@ class InProcess:
         self.prompts_used = 0
         self.buffer = buffer                                # --replay-groups: else None
         self.replay_sampler = torch.Generator().manual_seed(cfg.seed)
-        self.score_batch = cfg.micro_completions or cfg.micro_groups * cfg.group_size
+        self.score_batch = searcher.score_batch(cfg)
         self.tokens = self.groups = 0
         self.infos = []
         self.sampler = copy.deepcopy(policy).requires_grad_(False) if cfg.lag else policy
@@ -218,6 +218,7 @@ class Replay:
         self.tokens = self.groups = 0
         self.infos = []
         self.loads = []                   # the searchers' weight loads since the last batch
+        self.reports_loads = False        # True where searchers report them (`load_metrics`)
 
     def take_reports(self, reports):
         for report in reports:
@@ -260,13 +261,16 @@ class Replay:
                        **searcher.sampling_metrics(batch, version), **self.load_metrics()}
 
     def load_metrics(self):
-        """The searchers' weight loads since the last batch: the slowest load, and how far the
-        probe's log-prob under a searcher's new weights was from the trainer's (0 when the
-        weights arrived whole; `weights.probe_logp`). -> dict, empty when none loaded"""
+        """The searchers' weight loads since the last batch (SearcherProcesses): the slowest
+        load, and how far the probe's log-prob under a searcher's new weights was from the
+        trainer's (`weights.probe_logp`; 0 when every load arrived whole, or none came).
+        -> dict, empty for sources whose searchers do not report loads (Ray)"""
+        if not self.reports_loads:
+            return {}
         loads, self.loads = self.loads, []
         diffs = [abs(r["probe"] - r["trainer_probe"]) for r in loads if "trainer_probe" in r]
-        metrics = {"searcher_load_s": round(max(r["load_s"] for r in loads), 4)} if loads else {}
-        return {**metrics, **({"sync_probe_diff_max": max(diffs)} if diffs else {})}
+        return {"searcher_load_s": round(max([r["load_s"] for r in loads], default=0.0), 4),
+                "sync_probe_diff_max": max(diffs, default=0.0)}
 
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
@@ -287,6 +291,7 @@ class SearcherProcesses(Replay):
     def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
         super().__init__(cfg, buffer, interrupt)
         self.layout = layout
+        self.reports_loads = True
         self.weights = self.pool = None
         self.probes = {}                  # version -> the trainer's `probe_logp` of it
         self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer

@@ -10,7 +10,6 @@ weights to the searchers every k steps, repeat; the trained model ends in runs/<
 Where the groups come from (this process, searcher processes, Ray actors) is `sources.py`'s
 business; the run folder, resuming, stopping and failures are `run.py`'s.
 """
-import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ def load(cfg):
         trainer.enable_activation_checkpointing(policy)
     # Searchers score the reference log-probs themselves: then the trainer needs a reference
     # copy only if the task's evaluation does.
-    ref_model = (copy.deepcopy(policy).requires_grad_(False)
+    ref_model = (models.frozen_copy(policy, getattr(torch, cfg.dtype))
                  if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later

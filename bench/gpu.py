@@ -7,7 +7,7 @@ with no network (no model download: models of the right shape are built with ran
 It measures, and writes to DIR/gpu.md (a markdown report) and DIR/gpu.json as it goes:
 1. memory: one trainer step of the paper recipe's shape (the 1.1B Llama of recipes/paper-gsm8k.toml:
    7 groups of K = 20 completions, 188 prompt + 512 response tokens) per memory option: step
-   time and peak GPU memory, against `bench/memory.py predict` (20.8 GB for the recipe's option).
+   time and peak GPU memory, against `bench/memory.py predict`'s figure for each option.
 2. search: one `generate` call at the recipe's batch (7 prompts × 20 samples × 512 tokens, held
    to full length: no EOS), for SmolLM2-135M's shape and the 1.1B's: ms per decode step, tokens/s.
 3. weight sync: the legs of a publish (GPU → pinned staging, staging → shared slot) and of a
@@ -46,7 +46,7 @@ from buffer import GroupBatch  # noqa: E402
 from weights import WeightChannel  # noqa: E402
 
 GB = 1024 ** 3
-PREDICTED_GB = 20.8                   # bench/memory.py predict: the recipe's option, bench/README
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
                 num_hidden_layers=22)
@@ -57,9 +57,13 @@ RECIPE = dict(groups=7, k=20, prompt=188, response=512)
 TINY_RECIPE = dict(groups=2, k=3, prompt=6, response=5)
 # name -> (--activation-checkpointing, --micro-completions, --dtype), as bench/memory.py
 OPTIONS = {"bfloat16": (False, 0, "bfloat16"),
-           "bfloat16 + checkpointing": (True, 0, "bfloat16"),
-           "bfloat16 + checkpointing + micro-completions 4 (the recipe)": (True, 4, "bfloat16"),
+           "bfloat16 + checkpointing (the recipe)": (True, 0, "bfloat16"),
+           "bfloat16 + checkpointing + micro-completions 4": (True, 4, "bfloat16"),
            "float32 + checkpointing + micro-completions 4": (True, 4, "float32")}
+# `python bench/memory.py predict` for each option (bench/README.md, "The paper's recipe on a GPU")
+PREDICTED_GB = {"bfloat16": 53.5, "bfloat16 + checkpointing (the recipe)": 24.7,
+                "bfloat16 + checkpointing + micro-completions 4": 20.8,
+                "float32 + checkpointing + micro-completions 4": 18.7}
 
 
 class Report:
@@ -114,8 +118,8 @@ def memory(report, args, device):
                f"one group a gradient pass (--micro-groups 1). Peak: "
                "`torch.cuda.max_memory_allocated` over the second step (weights, gradients and "
                "AdamW moments included), reserved in brackets.\n")
-    report.add("| option | step (s) | peak allocated (GB) [reserved] | against 20.8 GB predicted |\n"
-               "| --- | --- | --- | --- |")
+    report.add("| option | step (s) | peak allocated (GB) [reserved] | predicted (GB) | measured / predicted |\n"
+               "| --- | --- | --- | --- | --- |")
     for name, (checkpointing, micro, dtype) in OPTIONS.items():
         model = optimizer = None
         try:
@@ -140,12 +144,11 @@ def memory(report, args, device):
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(device) / GB
                 reserved = torch.cuda.max_memory_reserved(device) / GB
-            recipe = "the recipe" in name
-            versus = f"{peak / PREDICTED_GB:.2f}×" if recipe else ""
-            report.add(f"| {name} | {times[-1]:.2f} | {peak:.1f} [{reserved:.1f}] | {versus} |",
+            report.add(f"| {name} | {times[-1]:.2f} | {peak:.1f} [{reserved:.1f}] | "
+                       f"{PREDICTED_GB[name]} | {peak / PREDICTED_GB[name]:.2f} |",
                        **{f"step_s/{name}": times[-1], f"peak_gb/{name}": peak})
         except torch.OutOfMemoryError:
-            report.add(f"| {name} | out of memory | | |")
+            report.add(f"| {name} | out of memory | | {PREDICTED_GB[name]} | |")
         finally:
             del model, optimizer
             if device.type == "cuda":

@@ -9,10 +9,6 @@ import models
 from fake_cuda import FakeCuda
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run by `make test-gpu`")
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

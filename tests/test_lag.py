@@ -267,6 +267,7 @@ def test_uncorrected_rloo_is_tb_at_any_lag():
     uncorrected RLOO and TB take the same direction at every lag, and only the importance
     weights of rloo-is make a different off-policy baseline."""
     from test_trainer import sampled_batch
+    torch.manual_seed(0)                 # the same policy and samples whatever ran before
     tokenizer = build_tokenizer()
     reference = build_model(len(tokenizer))
     policy = copy.deepcopy(reference)

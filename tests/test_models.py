@@ -1,4 +1,5 @@
 """Fast tests for models.py: tiny in-code models, plus the real SmolLM2 from its cached HF folder."""
+import copy
 import importlib.util
 
 import pytest
@@ -168,3 +169,44 @@ def test_greedy_generation_warns_about_nothing(tiny_dir):
     finally:
         logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if "may be ignored" in r.getMessage()]
+
+
+def autocast_casts(layer, passes=3):
+    """aten::_to_copy calls (autocast's casts) in `passes` forwards of `layer` in one context."""
+    from torch.profiler import profile
+    x = torch.randn(8, layer.in_features)
+    with torch.no_grad(), models.autocast("cpu", torch.bfloat16), profile() as prof:
+        for _ in range(passes):
+            layer(x)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+
+def test_autocast_casts_a_frozen_weight_again_at_every_forward():
+    """Why `frozen_copy` exists: within one autocast context a weight that requires grad is cast
+    once (weight and bias, then only the input each pass: 2 + 3), a frozen one at every pass
+    (3 × 3), and one stored in bfloat16 never (the 3 inputs only)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    assert autocast_casts(layer) == 2 + 3
+    assert autocast_casts(copy.deepcopy(layer).requires_grad_(False)) == 3 * 3
+    assert autocast_casts(models.frozen_copy(layer, torch.bfloat16)) == 3
+
+
+@pytest.mark.parametrize("build", ["gpt2", "llama"])
+def test_a_frozen_copy_scores_bit_for_bit_as_autocast_does(build):
+    """The reference in `frozen_copy` (linear weights stored in bfloat16, a tied output layer
+    untied) gives the very log-probs autocast gives over float32 weights, and float32 is left as
+    it is."""
+    from tasks.toy import build_model, build_tokenizer
+    from test_trainer import random_batch, tiny_llama
+    from trainer import group_logprobs
+    model = build_model(len(build_tokenizer())) if build == "gpt2" else tiny_llama()
+    batch = random_batch(model.get_output_embeddings().out_features)
+    frozen = models.frozen_copy(model, torch.bfloat16)
+    assert frozen.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert frozen.get_input_embeddings().weight.dtype == torch.float32
+    with torch.no_grad(), models.autocast("cpu", torch.bfloat16):
+        assert torch.equal(group_logprobs(model, batch, 0.8), group_logprobs(frozen, batch, 0.8))
+    assert all(p.dtype == torch.float32 and not p.requires_grad
+               for p in models.frozen_copy(model).parameters())
+    assert all(p.requires_grad for p in model.parameters())        # the original still trains

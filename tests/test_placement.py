@@ -167,3 +167,14 @@ def test_the_probe_tells_a_failed_sync():
     assert probe_logp(searcher_copy) != probe_logp(trained)
     copy_weights(searcher_copy, {k: v for k, v in trained.state_dict().items()})
     assert probe_logp(searcher_copy) == probe_logp(trained)
+
+
+def test_the_reference_scores_at_least_a_group_a_pass():
+    """A no-grad pass keeps no activations: the reference is not split into --micro-completions
+    passes (the paper recipe: 7 passes of 20, not 35 of 4); without that flag nothing changes."""
+    from searcher import score_batch
+    parse = lambda *args: config.resolve(config.parse_args(["--task", "toy", *args])[0])
+    assert score_batch(parse("--group-size", "20", "--micro-completions", "4")) == 20
+    assert score_batch(parse("--group-size", "4", "--micro-completions", "8")) == 8
+    assert score_batch(parse("--group-size", "8", "--micro-groups", "1")) == 8
+    assert score_batch(parse("--micro-groups", "0")) == 0                  # all at once
