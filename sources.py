@@ -218,7 +218,6 @@ class Replay:
         self.tokens = self.groups = 0
         self.infos = []
         self.loads = []                   # the searchers' weight loads since the last batch
-        self.reports_loads = False        # True where searchers report them (`load_metrics`)
 
     def take_reports(self, reports):
         for report in reports:
@@ -261,16 +260,8 @@ class Replay:
                        **searcher.sampling_metrics(batch, version), **self.load_metrics()}
 
     def load_metrics(self):
-        """The searchers' weight loads since the last batch (SearcherProcesses): the slowest
-        load, and how far the probe's log-prob under a searcher's new weights was from the
-        trainer's (`weights.probe_logp`; 0 when every load arrived whole, or none came).
-        -> dict, empty for sources whose searchers do not report loads (Ray)"""
-        if not self.reports_loads:
-            return {}
-        loads, self.loads = self.loads, []
-        diffs = [abs(r["probe"] - r["trainer_probe"]) for r in loads if "trainer_probe" in r]
-        return {"searcher_load_s": round(max([r["load_s"] for r in loads], default=0.0), 4),
-                "sync_probe_diff_max": max(diffs, default=0.0)}
+        """What the searchers report of their weight loads: nothing here (Ray's do not)."""
+        return {}
 
     def state_dict(self):
         return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
@@ -291,7 +282,6 @@ class SearcherProcesses(Replay):
     def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
         super().__init__(cfg, buffer, interrupt)
         self.layout = layout
-        self.reports_loads = True
         self.weights = self.pool = None
         self.probes = {}                  # version -> the trainer's `probe_logp` of it
         self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
@@ -311,6 +301,15 @@ class SearcherProcesses(Replay):
         self.probes[version] = probe_logp(policy, getattr(torch, self.cfg.dtype))
         self.probes = dict(list(self.probes.items())[-8:])     # loads are never 8 syncs behind
         return {"sync_s": round(sync_s, 4), **{k: round(v, 4) for k, v in legs.items()}}
+
+    def load_metrics(self):
+        """The searchers' weight loads since the last batch: the slowest load, and how far the
+        probe's log-prob under a searcher's new weights was from the trainer's
+        (`weights.probe_logp`; 0 when every load arrived whole, or none came). -> dict"""
+        loads, self.loads = self.loads, []
+        diffs = [abs(r["probe"] - r["trainer_probe"]) for r in loads if "trainer_probe" in r]
+        return {"searcher_load_s": round(max([r["load_s"] for r in loads], default=0.0), 4),
+                "sync_probe_diff_max": max(diffs, default=0.0)}
 
     def poll(self, wait_s=0.0):
         reports = self.pool.poll()
