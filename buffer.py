@@ -1,113 +1,28 @@
 """Replay buffer of completions, shared between processes; groups are formed when drawn.
 
-As in TBA's reference code and GFlowNet red-teaming: keep what the search found, completion by
-completion, and train on it again and again.
-- `add` stores each completion of a searched group in a slot of its own (`_store_one`), beside
-  the other completions of the same prompt: an exact duplicate is stored once (`dedup`), a
-  near-duplicate (embeddings with cosine >= `merge_cosine`) only if it is better.
-- When the buffer, or the prompt's share of it (`per_prompt`), is full, a completion is evicted
-  (`_victim`): the oldest (``evict="oldest"``) or the lowest reward (``"lowest"``, GFlowNet
-  style: the best attacks stay however old they are).
-- `sample` forms each trained group at draw time (`_draw_group`): it picks a prompt, then up to K
-  of its completions: with probability m among the newest weights' (recency), otherwise by reward
-  (a softmax at `priority_temp`) or uniformly (the picks: draws.py). A group may mix weight versions and temperatures:
-  each completion carries its own behaviour log-prob and version.
+`add_batch` stores each searched completion in a slot of its own, beside the other completions
+of its prompt (what is kept, and what makes way: storage.py). `sample` forms each trained group
+when drawn: a prompt, then up to K of its completions, with probability m among the newest
+weights' (recency), else by reward or uniformly (draws.py). A group may mix weight versions and
+temperatures: each completion carries its own behaviour log-prob and version.
 
-Searchers run in processes started with the ``spawn`` method; the trainer runs in the main
-process. Every field is a fixed-size tensor moved to shared memory (``share_memory_()``), so
-``Process(args=(buffer,))`` sends only handles to the same storage; one lock guards every
-field, so a reader never sees a half-written completion and two writers never claim one slot.
-
-Layout (C = capacity in completions, N = prompts of the dataset, P = max_prompt_len,
-R = max_response_len, D = embedding_dim): a prompt table [N, P] indexed by the prompt's index,
-LEFT padded; completion slots [C, R], RIGHT padded. Masks come from stored lengths, never from
-``token == pad_id`` (pad and EOS may be the same id). Token ids are int32, returned as int64.
-A slot is empty when its prompt index is -1. A completion the frozen reference sampled has
-version `REFERENCE` (-1): it is of no policy version, so it is never "recent", never stale, and
-counts in no staleness.
+Every field is a fixed-size tensor in shared memory, so a searcher process started with `spawn`
+gets handles to the same storage; one lock guards them all, so a reader never sees a
+half-written completion and two writers never claim one slot. Layout (C = capacity, N = prompts
+of the dataset, P, R = the longest prompt and response, D = embedding_dim): prompts [N, P] left
+padded, completions [C, R] right padded, lengths stored (pad and EOS may be the same id). A slot
+is empty when its prompt index is -1; the reference's samples have version REFERENCE (-1).
 """
 import math
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
+import storage
+from batch import REFERENCE, GroupBatch
 from draws import Pool, draw_without_replacement, groups_in
-
-REFERENCE = -1      # the version of a completion sampled by the frozen reference model
-
-
-@dataclass
-class GroupBatch:
-    """B groups of up to K completions, widths trimmed to the longest prompt / response.
-    A group drawn with fewer than K completions is padded: `keep` is False there."""
-    prompt_ids: torch.Tensor    # [B, P'] int64, left padded
-    prompt_mask: torch.Tensor   # [B, P'] int64, 1 on prompt tokens
-    response_ids: torch.Tensor  # [B, K, R'] int64, right padded
-    response_len: torch.Tensor  # [B, K] int64, response tokens incl. the EOS that ended it
-    reward: torch.Tensor        # [B, K] float32
-    ref_logp: torch.Tensor      # [B, K] float32, sum of reference log-probs over the response
-    version: torch.Tensor       # [B, K] int64, weight version that sampled it (REFERENCE: -1)
-    prompt_index: torch.Tensor  # [B] int64, index of the prompt in the dataset
-    behaviour_logp: Optional[torch.Tensor] = None  # [B, K] float32, log μ(y|x) summed over the
-                                # response, under the weights that sampled it (NaN: not recorded)
-    search_temperature: Optional[torch.Tensor] = None  # [B, K] float32, temperature it was sampled at
-    from_reference: Optional[torch.Tensor] = None  # [B, K] bool, sampled by the reference model
-    keep: Optional[torch.Tensor] = None  # [B, K] bool, False: no completion there (None: all real)
-    embedding: Optional[torch.Tensor] = None  # [B, K, D] fresh from a search: the task's embeddings
-    order: Optional[torch.Tensor] = None  # [B, K] int64, insertion order (global counter)
-    draws: Optional[torch.Tensor] = None  # [B, K] int64, times drawn, this one included
-    recent_count: int = 0       # how many of the B groups were drawn from the newest-version pool
-    info: object = None         # fresh from a search (never in the buffer): the task's `score` info
-
-    def to(self, device) -> "GroupBatch":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return GroupBatch(**{name: v.to(device) if isinstance(v, torch.Tensor) else v
-                             for name, v in values.items()})
-
-    def kept(self) -> torch.Tensor:
-        """[B, K] bool: the completions that are really there, to train on and count."""
-        return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep
-
-    @staticmethod
-    def cat(batches, pad_id: int) -> "GroupBatch":
-        """The groups of several batches as one, on the first one's device: prompts left padded
-        and responses right padded to the widest. Fields only a fresh search has (embedding,
-        info) are dropped; a fresh group counts as drawn once, from no slot (order -1)."""
-        device = batches[0].reward.device
-        P = max(b.prompt_ids.shape[1] for b in batches)
-        R = max(b.response_ids.shape[2] for b in batches)
-
-        def joined(field, width=None, pad=0, left=False, missing=None):   # [B, ...] of them all
-            parts = []
-            for b in batches:
-                t = getattr(b, field)
-                t = (missing(b) if t is None else t).to(device)
-                if width is not None:
-                    gap = width - t.shape[-1]
-                    t = torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=pad)
-                parts.append(t)
-            return torch.cat(parts)
-
-        def nan(b):
-            return torch.full_like(b.reward, math.nan)
-        return GroupBatch(
-            prompt_ids=joined("prompt_ids", P, pad_id, left=True),              # [B, P']
-            prompt_mask=joined("prompt_mask", P, 0, left=True),                 # [B, P']
-            response_ids=joined("response_ids", R, pad_id),                     # [B, K, R']
-            response_len=joined("response_len"), reward=joined("reward"),       # [B, K] each
-            ref_logp=joined("ref_logp"), version=joined("version"),
-            prompt_index=joined("prompt_index"),                                # [B]
-            behaviour_logp=joined("behaviour_logp", missing=nan),
-            search_temperature=joined("search_temperature", missing=nan),
-            from_reference=joined("from_reference", missing=lambda b: b.version == REFERENCE),
-            keep=joined("keep", missing=GroupBatch.kept),
-            order=joined("order", missing=lambda b: torch.full_like(b.version, -1)),
-            draws=joined("draws", missing=lambda b: torch.ones_like(b.version)),
-            recent_count=sum(b.recent_count for b in batches))
 
 
 def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embedding_dim=0):
@@ -120,9 +35,9 @@ def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embeddin
 
 
 class ReplayBuffer:
-    _FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward", "ref_logp",
-               "behaviour_logp", "embedding", "version", "prompt_index", "order", "draws",
-               "search_temperature")
+    FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward", "ref_logp",
+              "behaviour_logp", "embedding", "version", "prompt_index", "order", "draws",
+              "search_temperature")
 
     def __init__(self, capacity: int, group_size: int, max_prompt_len: int,
                  max_response_len: int, n_prompts: int, pad_id: int = 0, per_prompt: int = 0,
@@ -135,13 +50,7 @@ class ReplayBuffer:
         if min(C, K, P, R, N) < 1:
             raise ValueError("capacity, group_size, max_prompt_len, max_response_len, n_prompts "
                              "must be >= 1")
-        if evict not in ("oldest", "lowest"):
-            raise ValueError(f"evict must be 'oldest' or 'lowest', got {evict!r}")
-        if per_prompt < 0 or 0 < per_prompt < 2:
-            raise ValueError(f"per_prompt must be 0 (no bound) or >= 2, got {per_prompt}")
-        if merge_cosine and (not 0 < merge_cosine <= 1 or D < 1):
-            raise ValueError(f"merge_cosine must be in (0, 1] with embedding_dim >= 1, got "
-                             f"{merge_cosine} and {D}")
+        storage.check_policy(per_prompt, evict, merge_cosine, D)
         self.capacity, self.group_size, self.n_prompts = C, K, N
         self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
         self.per_prompt, self.evict = per_prompt or C, evict
@@ -160,7 +69,7 @@ class ReplayBuffer:
         self.draws = torch.zeros(C, dtype=torch.int64)                        # [C] times drawn
         self.search_temperature = torch.zeros(C, dtype=torch.float32)         # [C]
         self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] orders given
-        for name in self._FIELDS + ("n_added",):
+        for name in self.FIELDS + ("n_added",):
             getattr(self, name).share_memory_()
         # A spawn-context lock pickles into processes started with the spawn method.
         self._lock = mp.get_context("spawn").Lock()
@@ -183,26 +92,23 @@ class ReplayBuffer:
             available &= self.draws.numpy() < max_reuse
         return available
 
-    def _counts(self, mask):
+    def counts(self, mask):
         """[N] (NumPy) how many of the completions in `mask` [C] each prompt has."""
         return np.bincount(self.prompt_index.numpy()[mask], minlength=self.n_prompts)
 
     def count(self, min_version: int = -1, max_reuse: int = 0) -> int:
         """Number of groups that ``sample`` can draw at least, with the same bounds."""
         with self._lock:
-            return groups_in(self._counts(self._available(min_version, max_reuse)),
+            return groups_in(self.counts(self._available(min_version, max_reuse)),
                              self.group_size)
 
     # --- store ---------------------------------------------------------------------------------
 
     def add(self, prompt_ids, response_ids, response_len, reward, ref_logp, behaviour_logp,
             version, prompt_index: int, search_temperature=math.nan, embedding=None) -> int:
-        """Store a searched group's completions. ``prompt_ids``: 1-D, UNPADDED ([p], p <= P);
-        ``response_ids``: [k, r], r <= R, right padded; ``response_len``, ``reward``,
-        ``ref_logp``, ``behaviour_logp``: [k]; ``version``, ``search_temperature``: one
-        number or [k] (version REFERENCE: sampled by the reference); ``embedding``: [k, D],
-        needed with merging. Tokens past each response's length are stored as pad_id.
-        -> how many completions were stored (dedup, merging and eviction may leave some out)"""
+        """Store a group's completions: prompt_ids [p] unpadded; response_ids [k, r] right
+        padded; response_len, reward, ref_logp, behaviour_logp [k]; version, search_temperature
+        [k] or one number; embedding [k, D] (merging only). -> how many were stored"""
         P, R = self.max_prompt_len, self.max_response_len
         prompt = torch.as_tensor(prompt_ids)
         resp = torch.as_tensor(response_ids)
@@ -217,22 +123,7 @@ class ReplayBuffer:
                           "behaviour_logp": each(behaviour_logp, torch.float32),
                           "version": each(version, torch.int64),
                           "search_temperature": each(search_temperature, torch.float32)}
-        if prompt.dim() != 1 or not 1 <= prompt.numel() <= P:
-            raise ValueError(f"prompt_ids must be 1-D unpadded with length in [1, "
-                             f"max_prompt_len={P}], got shape {tuple(prompt.shape)}")
-        if k < 1 or resp.shape[1] > R:
-            raise ValueError(f"response_ids must be [k, r] with k >= 1 and r <= "
-                             f"max_response_len={R}, got shape {tuple(resp.shape)}")
-        for name, t in (("response_len", lens), *per_completion.items()):
-            if t.shape != (k,):
-                raise ValueError(f"{name} must have shape [{k}], got {tuple(t.shape)}")
-        if lens.min() < 1 or lens.max() > resp.shape[1]:
-            raise ValueError(f"response_len must lie in [1, {resp.shape[1]}], got {lens.tolist()}")
-        if not 0 <= prompt_index < self.n_prompts:
-            raise ValueError(f"prompt_index must be in [0, n_prompts={self.n_prompts}), got "
-                             f"{prompt_index}")
-        if self.merge_cosine and embedding is None:
-            raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
+        storage.check_group(self, prompt, resp, lens, per_completion, prompt_index, embedding)
         # Build the padded rows outside the lock; only the copy into shared memory is locked.
         p_row = torch.full((P,), self.pad_id, dtype=torch.int32)              # [P]
         p_row[P - prompt.numel():] = prompt
@@ -244,78 +135,26 @@ class ReplayBuffer:
         stored = 0
         with self._lock:
             self.prompt_ids[prompt_index], self.prompt_len[prompt_index] = p_row, prompt.numel()
+            # best first: of two near-duplicates in one group, the better one stays
             for i in per_completion["reward"].argsort(descending=True, stable=True).tolist():
-                completion = {name: t[i] for name, t in per_completion.items()}   # best first:
-                stored += self._store_one(prompt_index, r_rows[i], lens[i], completion,  # it stays
-                                          None if embedding is None else embedding[i])
+                completion = {name: t[i] for name, t in per_completion.items()}
+                stored += storage.store(self, prompt_index, r_rows[i], lens[i], completion,
+                                        None if embedding is None else embedding[i])
         return stored
 
-    def _store_one(self, prompt_index, tokens, length, completion, embedding) -> bool:
-        """Store one completion (under the lock). -> whether it was stored
+    def add_batch(self, prompt_ids, batch: GroupBatch) -> int:
+        """Store a searched batch (on the CPU), group by group; `prompt_ids`: each group's
+        prompt, unpadded. -> how many completions were stored"""
+        return sum(self.add(ids, batch.response_ids[i], batch.response_len[i], batch.reward[i],
+                            batch.ref_logp[i], batch.behaviour_logp[i], batch.version[i],
+                            int(batch.prompt_index[i]), batch.search_temperature[i],
+                            None if batch.embedding is None else batch.embedding[i])
+                   for i, ids in enumerate(prompt_ids))
 
-        dedup: an exact copy of a stored completion of the prompt replaces it in place (the
-        newest copy is kept, with its own version and log μ). merge_cosine: if stored
-        completions of the prompt are near it, the best of them is kept if it is at least as
-        good, and counts as found again (its age is renewed, so "oldest" eviction cannot take
-        what keeps being rediscovered); else they all make way for it."""
-        mine = torch.from_numpy(np.flatnonzero(self.prompt_index.numpy() == prompt_index))  # [m]
-        slot = None
-        if self.dedup:
-            same = mine[(self.response_len[mine] == length)
-                        & (self.response_ids[mine] == tokens).all(1)]          # [0 or 1]
-            slot = int(same[0]) if len(same) else None
-        if slot is None and self.merge_cosine:
-            is_near = self.embedding[mine] @ embedding >= self.merge_cosine    # [m]
-            near = mine[is_near]
-            if len(near):
-                best = int(near[self.reward[near].argmax()])
-                if self.reward[best] >= completion["reward"]:
-                    self.order[best] = self._next_order()
-                    return False
-                self.prompt_index[near] = -1                                   # made way
-                mine = mine[~is_near]
-        if slot is None:
-            slot = self._victim(mine, completion["reward"])
-            if slot is None:
-                return False
-        self.response_ids[slot], self.response_len[slot] = tokens, length
-        for name, value in completion.items():
-            getattr(self, name)[slot] = value
-        if self.merge_cosine:
-            self.embedding[slot] = embedding
-        self.prompt_index[slot], self.order[slot] = prompt_index, self._next_order()
-        self.draws[slot] = 0
-        return True
-
-    def _next_order(self) -> int:
+    def next_order(self) -> int:
         n = int(self.n_added[0])
         self.n_added[0] = n + 1
         return n
-
-    def _victim(self, mine, reward) -> Optional[int]:
-        """The slot a new completion of reward `reward` goes to (under the lock): a free one,
-        or one whose completion is evicted. `mine` [m]: the slots of its prompt. A prompt at
-        `per_prompt` evicts one of its own; a full buffer evicts the oldest of all ("oldest"),
-        or ("lowest") the lowest reward of the prompt holding the most. Among equal rewards the
-        oldest goes. -> None when "lowest" finds the new one worse than all its prompt holds."""
-        index = self.prompt_index.numpy()                                      # [C]
-        own = len(mine) >= self.per_prompt
-        if not own and (index < 0).any():
-            return int((index < 0).argmax())                                   # the first free
-        if own:
-            candidates = mine
-        elif self.evict == "oldest":                                           # of all stored
-            return int(np.where(index >= 0, self.order.numpy(), np.iinfo(np.int64).max).argmin())
-        else:
-            largest = self._counts(index >= 0).argmax()
-            own = largest == self.prompt_index[mine[0]] if len(mine) else False
-            candidates = torch.from_numpy(np.flatnonzero(index == largest))
-        if self.evict == "lowest":
-            lowest = self.reward[candidates].min()
-            if own and reward < lowest:
-                return None
-            candidates = candidates[self.reward[candidates] == lowest]
-        return int(candidates[self.order[candidates].argmin()])
 
     # --- draw ----------------------------------------------------------------------------------
 
@@ -354,7 +193,7 @@ class ReplayBuffer:
                                             minlength=self.n_prompts) / np.maximum(left, 1)
                 log_weight = drawable_reward / priority_temp                   # [A]
             everything = Pool(available, left, prompt_reward, priority_temp)
-            recent = Pool(recent_mask, self._counts(recent_mask))
+            recent = Pool(recent_mask, self.counts(recent_mask))
             # One draw from the caller's torch generator seeds this sample's NumPy generator:
             # the draws are as reproducible (and resumable) as the torch generator's state, at
             # a microsecond each instead of torch's tens.
@@ -420,16 +259,15 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         with self._lock:
-            state = {name: getattr(self, name).clone() for name in self._FIELDS}
+            state = {name: getattr(self, name).clone() for name in self.FIELDS}
             state["n_added"] = int(self.n_added[0])
         return state
 
     def load_state_dict(self, state: dict, max_version: int) -> None:
-        """Restore a `state_dict` of weights up to `max_version` (the checkpoint's step), once
-        `checkpoint.check_buffer_state` has found it possible."""
-        checkpoint.check_buffer_state(self, state, versions=(REFERENCE, max_version))
+        """Restore a `state_dict` of versions up to `max_version` (the checkpoint's step)."""
+        storage.check_state(self, state, versions=(REFERENCE, max_version))
         n_added = state["n_added"]
         with self._lock:
-            for name in self._FIELDS:
+            for name in self.FIELDS:
                 getattr(self, name).copy_(state[name])
             self.n_added[0] = n_added

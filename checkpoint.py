@@ -14,7 +14,7 @@ not be written; the half-written temporary folder is removed to give the space b
 file of a run is written the same way, through `write_file` (whole files: config.json, the --lag
 weights) or `append_lines` (metrics.jsonl, samples.jsonl): a failure names the file and the
 reason, and leaves no temporary file and no half line behind. A saved replay buffer is checked
-(`check_buffer_state`) before it is loaded.
+by the buffer itself (`storage.check_state`) before it is loaded.
 """
 import os
 import re
@@ -171,61 +171,3 @@ def load(path, model):
     if trainer_state.get("step") != step_of(path):
         raise CheckpointError(f"checkpoint {path} holds step {trainer_state.get('step')}: {hint}")
     return trainer_state
-
-
-def check_buffer_state(buffer, state, versions):
-    """A replay buffer's saved state could have come from `buffer` (buffer.ReplayBuffer) with
-    weight versions in `versions` (lowest, highest: the reference's, the checkpoint's step): a
-    file with the right shapes but impossible values would otherwise be trained on, or crash a
-    searcher much later. Raises ValueError saying what is wrong."""
-    lowest, highest = versions
-    if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
-        raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
-                         "buffer of completions) and cannot be loaded: resume it with the "
-                         "tba of its time, or start the run again")
-    for name in buffer._FIELDS:
-        if name not in state:
-            raise ValueError(f"buffer state_dict is missing '{name}'")
-        want, got = getattr(buffer, name), state[name]
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
-                f"{_describe(want)} (capacity={buffer.capacity}, n_prompts={buffer.n_prompts}, "
-                f"max_prompt_len={buffer.max_prompt_len}, "
-                f"max_response_len={buffer.max_response_len})")
-    n_added = state.get("n_added")
-    if not isinstance(n_added, int) or n_added < 0:
-        raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
-    stored = state["prompt_index"] >= 0                                    # [C]
-    filled = {name: state[name][stored] for name in (
-        "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
-        "order", "draws")}
-    seen = state["prompt_len"][filled["prompt_index"].clamp(0, buffer.n_prompts - 1)]
-    rules = [  # (what is wrong, the offending values) for the stored completions
-        (f"versions outside [{lowest}, {highest}]",
-         filled["version"][(filled["version"] < lowest) | (filled["version"] > highest)]),
-        (f"prompt indices outside [0, {buffer.n_prompts})",
-         filled["prompt_index"][filled["prompt_index"] >= buffer.n_prompts]),
-        (f"prompt lengths outside [1, {buffer.max_prompt_len}]",
-         seen[(seen < 1) | (seen > buffer.max_prompt_len)]),
-        (f"response lengths outside [1, {buffer.max_response_len}]",
-         filled["response_len"][(filled["response_len"] < 1)
-                                | (filled["response_len"] > buffer.max_response_len)]),
-        ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
-        ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
-        ("infinite behaviour log-probs", filled["behaviour_logp"][
-            filled["behaviour_logp"].isinf()]),
-        ("negative draw counts", filled["draws"][filled["draws"] < 0]),
-        (f"insertion orders outside [0, {n_added})",
-         filled["order"][(filled["order"] < 0) | (filled["order"] >= n_added)]),
-    ]
-    for problem, values in rules:
-        if values.numel():
-            raise ValueError(f"buffer state_dict holds {problem}: "
-                             f"{values.flatten()[:3].tolist()}")
-
-
-def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {tuple(value.shape)}"
-    return type(value).__name__

@@ -474,10 +474,11 @@ def fit_schedule(cfg, from_task, task_steps):
     return cfg
 
 
-def resolve(cfg, recipe=None):
+def resolve(cfg, recipe=None, measure=True):
     """Fill the fields left unset with the task's defaults (and the machine's), fit the schedule
     to the run, and check every value and the combination. `recipe`: the values a recipe set
-    (`parse_args`' actions["recipe"]): its schedule is fitted as the task's would be."""
+    (`parse_args`' actions["recipe"]): its schedule is fitted as the task's would be. `measure`
+    False (--dry-run): --dtype auto on a CPU stays auto instead of timing a matmul to choose."""
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
     from_task = {k for k in task_defaults if getattr(cfg, k) is None}
@@ -486,8 +487,8 @@ def resolve(cfg, recipe=None):
         cfg.device = placement.default_device()
     elif cfg.device.startswith("cuda") and placement.gpu_count():
         cfg.device = placement.indexed(cfg.device)      # cuda -> cuda:0
-    if cfg.dtype == "auto":             # bfloat16 where the hardware has it and it is faster
-        gpu = cfg.device.startswith("cuda") and placement.gpu_count() > 0
+    gpu = cfg.device.startswith("cuda") and placement.gpu_count() > 0
+    if cfg.dtype == "auto" and (gpu or measure):   # bfloat16 where it is native and faster
         cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
                      or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")
     if cfg.searchers is None and cfg.lag:

@@ -18,9 +18,14 @@ Only `torch.cuda.device_count`, `is_available`, `is_bf16_supported` and `set_dev
 of CUDA here, and `tensor_device` is where a process's tensors go: the tests replace these with a
 strict fake (tests/fake_cuda.py) to check all of this on a machine without a GPU.
 """
+import ctypes
+import ctypes.util
+import functools
 import math
 import os
 import shutil
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -132,3 +137,29 @@ def check_shared_memory(need, shm="/dev/shm"):
                          f"replay buffer need {need / 2**20:.0f} MB: give the container more "
                          f"(docker run --shm-size={math.ceil(need * 1.5 / 2**30)}g), or lower "
                          "--buffer-capacity, or run with --searchers 0")
+
+
+def release_freed_heap(device):
+    """Hand the heap that a step's activations freed back to the system (CPU only: a GPU's
+    activations are not on the heap). glibc keeps freed memory for reuse: ~1.9 GiB after an
+    arith step, resident in the trainer between steps while the searchers need memory too;
+    asking for it again costs the next step no measurable time (bench/memory.py arith). Without
+    glibc (macOS, musl) there is no malloc_trim: nothing done."""
+    if device.type == "cpu" and hasattr(libc(), "malloc_trim"):
+        libc().malloc_trim(0)
+
+
+@functools.cache
+def libc():
+    """The C library, loaded the first time it is needed."""
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def die_with_parent():
+    """Have the kernel kill this process when the trainer dies (Linux). A searcher checks for its
+    parent between batches, but a trainer killed while it holds the buffer's or a weight slot's
+    lock leaves the searcher waiting on that lock, where no check runs: without this it would
+    wait there for ever, an orphan holding its memory."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1                                   # from <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))

@@ -29,9 +29,8 @@ import torch
 
 import checkpoint
 import config
-import searcher
-import trainer
 from checkpoint import WriteError
+from errors import NonFiniteError, SearcherError
 
 
 def check_out_folder(cfg, try_writing=True):
@@ -207,41 +206,39 @@ class MetricsLog:
 
 
 # ---------------------------------------------------------------- stopping and failing
-stop_signals = 0
+class StopRequests:
+    """Ctrl-C or `kill` while the run trains (`on_signals`): the first stops the run at the end of
+    the current step, where no lock or queue is in use, and a checkpoint is saved there; a
+    second one stops at once. `check` is where a requested stop happens: between steps, and
+    while the trainer waits for groups."""
 
+    def __init__(self):
+        self.count = 0
 
-def request_stop(signum, frame):
-    """Ctrl-C or `kill`: stop at the end of the current step, where no lock or queue is in use,
-    and save a checkpoint there; a second one stops at once."""
-    global stop_signals
-    stop_signals += 1
-    if stop_signals > 1:
-        raise KeyboardInterrupt
-    os.write(2, b"\nstopping after this step (press Ctrl-C again to stop at once)\n")
+    def request(self, signum, frame):
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+        os.write(2, b"\nstopping after this step (press Ctrl-C again to stop at once)\n")
 
+    def check(self):
+        if self.count:
+            raise KeyboardInterrupt
 
-def check_stop():
-    """Called between steps (and while waiting for groups): a requested stop happens here."""
-    if stop_signals:
-        raise KeyboardInterrupt
+    def between_steps(self):
+        """Was the stop requested once, so that it happened at a step boundary?"""
+        return self.count == 1
 
-
-def stopped_between_steps():
-    """Was the stop requested once, so that it happened at a step boundary?"""
-    return stop_signals == 1
-
-
-@contextmanager
-def stopping_on_signals():
-    """SIGINT and SIGTERM request a stop (`request_stop`) while the run trains."""
-    global stop_signals
-    stop_signals = 0
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    @contextmanager
+    def on_signals(self):
+        """SIGINT and SIGTERM request a stop while the block runs."""
+        self.count = 0
+        previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 class RunFailed(Exception):
@@ -252,7 +249,7 @@ def failure(error, step, out):
     """The RunFailed that ends a run after `step` because of `error`. A searcher's death or a
     non-finite step explains itself; a failed write names what could not be written (nothing
     before it is lost); anything else leaves its traceback in error.log, if that can be written."""
-    if isinstance(error, (searcher.SearcherError, trainer.NonFiniteError, WriteError)):
+    if isinstance(error, (SearcherError, NonFiniteError, WriteError)):
         return RunFailed(f"after step {step}: {error}")
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return RunFailed(f"after step {step}: cannot write {error.filename or 'in ' + str(out)} "

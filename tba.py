@@ -22,10 +22,13 @@ from transformers.utils import logging as transformers_logging
 import checkpoint
 import config
 import loggers
+import logprobs
 import models
 import placement
 import plot
+import ray_source
 import run
+import schedules
 import sources
 import tasks
 import trainer
@@ -44,6 +47,7 @@ class Setup:
     scaler: torch.amp.GradScaler      # loss scaling, on with --dtype float16 only
     source: object                    # where each step's groups come from (sources.py)
     progress: run.Progress            # step, samples, tokens, ... (a checkpoint's on --resume)
+    stop: run.StopRequests            # Ctrl-C or kill: stop at the end of the step
 
 
 def load(cfg):
@@ -57,22 +61,23 @@ def load(cfg):
     task = tasks.make_task(cfg)
     task.check_data()                     # a missing data file is found before a model loads
     policy, tokenizer = task.load_model(device)
-    trainer.check_logprobs(policy)
+    logprobs.check_logprobs(policy)
     if cfg.activation_checkpointing:
-        trainer.enable_activation_checkpointing(policy)
+        logprobs.enable_activation_checkpointing(policy)
     # Searchers score the reference log-probs themselves: then the trainer needs a reference
     # copy only if the task's evaluation does.
     ref_model = (models.frozen_copy(policy, getattr(torch, cfg.dtype))
                  if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
-    optimizer, scheduler = trainer.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
-                                                  warmup_steps=cfg.warmup_steps,
-                                                  decay_steps=cfg.decay_steps)
+    optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
+                                                    warmup_steps=cfg.warmup_steps,
+                                                    decay_steps=cfg.decay_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
+    stop = run.StopRequests()
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
                                  tokenizer=tokenizer, prompts=prompts, layout=layout,
-                                 interrupt=run.check_stop)
+                                 interrupt=stop.check)
     if isinstance(source, sources.SearcherProcesses) and not cfg.quiet:
         print(f"shared memory: {source.shared_bytes / placement.GB:.2f} GB, the weight slots and "
               "the replay buffer", flush=True)
@@ -81,10 +86,10 @@ def load(cfg):
         progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
                                scheduler=scheduler, scaler=scaler, task=task, source=source)
     if cfg.ray:                           # last: nothing after it can fail on bad input
-        sources.connect_ray(cfg.ray, cfg.searchers)
+        ray_source.connect_ray(cfg.ray, cfg.searchers)
     return Setup(layout=layout, task=task, policy=policy, tokenizer=tokenizer,
                  ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                 source=source, progress=progress)
+                 source=source, progress=progress, stop=stop)
 
 
 def train(cfg, setup):
@@ -128,9 +133,9 @@ def train(cfg, setup):
             source.fill(fill)
         last = time.time()
         for step in range(first_step + 1, cfg.steps + 1):
-            run.check_stop()
+            setup.stop.check()
             version = step - 1                   # updates the policy has had before this step
-            beta = trainer.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
+            beta = schedules.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
             batch, source_metrics = source.next_batch(version)          # B groups of K
             lr = setup.scheduler.get_last_lr()[0]
             t0 = time.time()
@@ -169,7 +174,7 @@ def train(cfg, setup):
             save_checkpoint()
         checkpoint.save_pretrained(policy, tokenizer, out / "final")
     except KeyboardInterrupt:
-        if run.stopped_between_steps() and progress.step > first_step:   # keep what was done
+        if setup.stop.between_steps() and progress.step > first_step:   # keep what was done
             tqdm.write(f"saved {save_checkpoint()}; continue with: python tba.py --resume {out}")
         raise
     except Exception as e:
@@ -205,7 +210,7 @@ def main(argv=None):
     try:
         cfg, given, actions = config.parse_args(argv)
         cfg = (run.resumed_config(cfg, given) if cfg.resume
-               else config.resolve(cfg, recipe=actions["recipe"]))
+               else config.resolve(cfg, recipe=actions["recipe"], measure=not actions["dry_run"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
         print(config.describe(cfg, given, recipe=actions["recipe"]), flush=True)
         print(placement.describe(placement.placement(cfg)), flush=True)
@@ -216,7 +221,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        with run.stopping_on_signals():
+        with setup.stop.on_signals():
             train(cfg, setup)
     except run.RunFailed as e:
         print(f"error: {e}; {run.how_to_continue(cfg.out)}", file=sys.stderr)

@@ -14,9 +14,9 @@ every seed. Settings:
                    TB's, so after clipping and Adam it is the same run as tb-sync (weights within
                    3e-6 after 30 red-teaming steps). KL-regularised RL is usually run weaker.
 arith runs 100 steps (learning that lasts: does accuracy hold after its best?). tb-sync and
-tb-async are today's defaults (β 0.05 since round 13); the settings below were the round-8
-defaults (β 0.2, written out: BETA_02) and one change each, kept as the runs in RESULTS had them:
-  tb-sync-beta0.2  the round-8 default itself (RESULTS: round 8, five seeds)
+tb-async are today's defaults (β 0.05, commit d83d549); the settings below are the earlier
+defaults (β 0.2, written out: BETA_02) and one change each, as the runs in git history had them:
+  tb-sync-beta0.2  the earlier default itself
   tb-sync-lr3e-5   --lr 3e-5, the default before lr 1e-5: steps 3x larger
   tb-sync-temp1    --temperature 1: the policy and the reference are the model's softmax at
                    temperature 1, not 0.7 (both sample and score at --temperature): a broader

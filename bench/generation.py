@@ -4,7 +4,7 @@
 
 Both sample K completions for each of the first GSM8K test questions (chat template), at
 temperature 1 with top-k/top-p off, from the same seed, so they generate the same tokens.
-`models.generate` is what a searcher calls to sample. Goal: >= 0.9x bare generate.
+`sampling.generate` is what a searcher calls to sample. Goal: >= 0.9x bare generate.
 Prints one `name value unit` line per figure, then a markdown table.
 """
 import argparse
@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import sampling  # noqa: E402
 import models  # noqa: E402
 
 
@@ -56,12 +57,12 @@ def main():
     k, n = args.group_size, args.max_new_tokens
 
     def ours():
-        _, _, _, response_len = models.generate(model, tokenizer, prompt_ids, num_samples=k,
-                                                max_new_tokens=n, temperature=1.0)
+        _, _, _, response_len = sampling.generate(model, tokenizer, prompt_ids, num_samples=k,
+                                                  max_new_tokens=n, temperature=1.0)
         return int(response_len.sum())
 
     def bare():
-        ids, mask = models.left_pad(prompt_ids, tokenizer.pad_token_id)
+        ids, mask = sampling.left_pad(prompt_ids, tokenizer.pad_token_id)
         config = GenerationConfig(max_new_tokens=n, do_sample=True, temperature=1.0, top_k=0,
                                   top_p=1.0, num_return_sequences=k,
                                   pad_token_id=tokenizer.pad_token_id,

@@ -39,10 +39,13 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import logprobs  # noqa: E402
+import sampling  # noqa: E402
 import models  # noqa: E402
 import placement  # noqa: E402
+import schedules  # noqa: E402
 import trainer  # noqa: E402
-from buffer import GroupBatch  # noqa: E402
+from batch import GroupBatch  # noqa: E402
 from weights import WeightChannel  # noqa: E402
 
 GB = 1024 ** 3
@@ -126,9 +129,9 @@ def memory(report, args, device):
             torch.manual_seed(0)
             model = llama(args.shape, device)
             if checkpointing:
-                trainer.enable_activation_checkpointing(model)
-            optimizer, scheduler = trainer.make_optimizer(model, lr=1e-6, total_steps=10,
-                                                          warmup_steps=0, decay_steps=0)
+                logprobs.enable_activation_checkpointing(model)
+            optimizer, scheduler = schedules.make_optimizer(model, lr=1e-6, total_steps=10,
+                                                            warmup_steps=0, decay_steps=0)
             batch = random_batch(args.shape, args.recipe, device)
             times = []
             for step in range(2):
@@ -170,7 +173,7 @@ def search(report, args, device):
             synchronize(device)
             start = time.perf_counter()
             with models.autocast(device, torch.bfloat16):
-                _, _, response_ids, response_len, _ = models.generate(
+                _, _, response_ids, response_len, _ = sampling.generate(
                     model, tokenizer, prompts, num_samples=recipe["k"],
                     max_new_tokens=recipe["response"] if attempt else 8, with_logprobs=True)
             synchronize(device)

@@ -13,14 +13,14 @@ earlier (`sources.InProcess`). Prompts, seeds and everything else are the same a
 the table shows what staleness alone costs each loss, free of replay and of process timing.
   tb        trajectory balance (`trainer.tb_loss`)
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
-  rloo-is   the same, each completion weighted by min(π/μ, 2) (`trainer.truncated_is_weights`)
-  vcpo      rloo-is with each step's learning rate times √(ESS/N) (`trainer.ess_step_scale`)
-arith runs at the task's defaults (100 steps, lr 1e-5; β 0.05 since round 13: RESULTS' round-14/15
-grid, with --dtype bfloat16; its rounds 8-11 grid ran at β 0.2: commit a537a91), so that a lag
+  rloo-is   the same, each completion weighted by min(π/μ, 2) (`rloo.truncated_is_weights`)
+  vcpo      rloo-is with each step's learning rate times √(ESS/N) (`rloo.ess_step_scale`)
+arith runs at the task's defaults (100 steps, lr 1e-5, β 0.05: RESULTS' staleness grid, with
+--dtype bfloat16; a grid at the earlier β 0.2 is in commit a537a91), so that a lag
 is small against the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same
 command), and `--reuse runs/bench-arith` copies those in instead of running them again (a
-bench/vs_trl.py folder's `tba-sync` runs too, with `--steps` and flags to match). The 25-step
-grid of round 5 ran at β 0.05, the TRL comparison's setting: commit 8a89dd2 reruns it.
+bench/vs_trl.py folder's `tba-sync` runs too, with `--steps` and flags to match). A 25-step
+grid at β 0.05 is in commit 8a89dd2.
 
 Runs go in the order of LOSSES × LAGS seed by seed, the largest lag first (a stopped bench has
 the figures that matter most); a finished run (its metrics hold the last step's evaluation) is

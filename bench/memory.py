@@ -19,7 +19,7 @@ activations and temporaries of the step. `--repo DIR` runs the plain step of ano
 
 `arith` takes arith-sized trainer steps of SmolLM2-135M (B = 4 prompts of 60 tokens, K = 8
 completions of 32, random ids) in one process and one thread, the settings in turn: all groups in
-one pass without and with the freed heap handed back after the step (`give_back_freed_memory`),
+one pass without and with the freed heap handed back after the step (`placement.release_freed_heap`),
 then 2 and 1 groups a pass (`--micro-groups`). Taking them in turn, N times, makes the time
 ratios fair on a busy machine. It reports the mean time (the first round is warm-up and left out),
 the highest RSS of the process during the step and the RSS it keeps after it.
@@ -87,11 +87,13 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
     the OS, then time `steps` trainer steps. -> (seconds per step, peak RSS above the state:
     weights, gradients, AdamW moments, in bytes)"""
     import torch
+    import logprobs
+    import schedules
     import trainer
-    from buffer import GroupBatch
+    from batch import GroupBatch
     checkpointing, micro_completions, dtype = option
     if checkpointing:
-        trainer.enable_activation_checkpointing(model)
+        logprobs.enable_activation_checkpointing(model)
     k, vocab = sequences, model.config.vocab_size
     batch = GroupBatch(prompt_ids=torch.randint(3, vocab, (1, prompt_len)),
                        prompt_mask=torch.ones(1, prompt_len, dtype=torch.long),
@@ -99,7 +101,7 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
                        response_len=torch.full((1, k), response_len),
                        reward=torch.randn(1, k), ref_logp=torch.zeros(1, k),
                        version=torch.zeros(1, dtype=torch.long), prompt_index=torch.zeros(1, dtype=torch.long))
-    optimizer, scheduler = trainer.make_optimizer(model, 1e-6, 100, 0, 0)
+    optimizer, scheduler = schedules.make_optimizer(model, 1e-6, 100, 0, 0)
     # Keep the gradients allocated between steps, as part of the state: freed, they would be
     # re-allocated during backward and could set the peak without any activation alive.
     optimizer.zero_grad = functools.partial(type(optimizer).zero_grad, optimizer, set_to_none=False)
@@ -121,8 +123,10 @@ def arith(reps):
     sys.path.insert(0, str(REPO))
     import torch
     import models
+    import placement
+    import schedules
     import trainer
-    from buffer import GroupBatch
+    from batch import GroupBatch
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, _ = models.load_model(models.DEFAULT_MODEL)
@@ -133,15 +137,15 @@ def arith(reps):
                        response_len=torch.full((b, k), response_len),
                        reward=torch.randn(b, k), ref_logp=torch.zeros(b, k),
                        version=torch.zeros(b, k, dtype=torch.long), prompt_index=torch.arange(b))
-    optimizer, scheduler = trainer.make_optimizer(model, 1e-9, 1000, 0, 0)
-    give_back = trainer.give_back_freed_memory
-    settings = {"all groups in one pass, freed heap kept": (None, lambda: None),
+    optimizer, scheduler = schedules.make_optimizer(model, 1e-9, 1000, 0, 0)
+    give_back = placement.release_freed_heap
+    settings = {"all groups in one pass, freed heap kept": (None, lambda device: None),
                 "all groups in one pass": (None, give_back),
                 "2 groups a pass": (2, give_back), "1 group a pass": (1, give_back)}
     seconds, peaks = {name: [] for name in settings}, {name: [] for name in settings}
     for rep in range(reps + 1):
         for name, (micro_groups, after_step) in settings.items():
-            trainer.give_back_freed_memory = after_step
+            placement.release_freed_heap = after_step
             reset_peak_rss()
             start = time.time()
             trainer.train_step(model, optimizer, scheduler, batch, beta=0.2, temperature=0.7,

@@ -8,7 +8,7 @@ First the machine's limits: the matmul throughput of a large float32 (2048³) an
 synchronous step of `--task arith`, each timed with the project's own functions on the same
 prompts and seed (the best of --repeats):
 
-    generation   models.generate: K samples for each of B prompts (prefill and decode)
+    generation   sampling.generate: K samples for each of B prompts (prefill and decode)
     scoring      the reference log-probs of the B·K completions (sample_groups minus generation)
     train        trainer.train_step's forward and backward (its optimiser step timed apart)
     optimiser    AdamW's update of every parameter
@@ -88,9 +88,10 @@ def main():
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
     sys.path.insert(0, args.repo)
-    import models
+    import sampling
     import searcher
     import tasks
+    import schedules
     import trainer
     settings = __import__("config" if (Path(args.repo) / "config.py").exists() else "tba")
     cfg = settings.resolve(settings.parse_args(["--task", "arith", "--searchers", "0"])[0])
@@ -110,7 +111,7 @@ def main():
     b, k = cfg.prompts_per_step, cfg.group_size
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     times = {name: [] for name in ("generation", "search", "train", "optimiser", "evaluation")}
-    optimizer, scheduler = trainer.make_optimizer(policy, cfg.lr, 100, 0, 0)
+    optimizer, scheduler = schedules.make_optimizer(policy, cfg.lr, 100, 0, 0)
     step, optimiser_s = optimizer.step, []
 
     def timed_step(*a, **kw):
@@ -125,7 +126,7 @@ def main():
         if repeat == 0:                                    # the warm-up runs do not count
             times = {name: [] for name in times}
         torch.manual_seed(0)
-        times["generation"].append(timed(lambda: models.generate(
+        times["generation"].append(timed(lambda: sampling.generate(
             policy, tokenizer, [p.ids for p in prompts], num_samples=k,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)))
         torch.manual_seed(0)
@@ -138,7 +139,7 @@ def main():
                            temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                            max_grad_norm=cfg.max_grad_norm)
         times["train"].append(time.perf_counter() - start - optimiser_s[-1])
-        times["evaluation"].append(timed(lambda: models.generate(
+        times["evaluation"].append(timed(lambda: sampling.generate(
             policy, tokenizer, [p.ids for p in test], max_new_tokens=cfg.max_new_tokens,
             greedy=True)))
     best = {name: min(t) for name, t in times.items()}

@@ -40,7 +40,7 @@ Matched (tba setting -> GRPOConfig field or GRPOTrainer argument):
   K, max_new_tokens, temperature -> num_generations, max_completion_length, temperature
       (top_p=1, top_k=0: pure sampling, TRL's defaults too)
   β -> beta (TB's target p_ref·exp(r/β) is the optimum of RL with KL coefficient β)
-  AdamW and the WSD schedule -> optimizers=trainer.make_optimizer(...) (weight decay 0),
+  AdamW and the WSD schedule -> optimizers=schedules.make_optimizer(...) (weight decay 0),
       learning_rate=lr (recorded only); --max-grad-norm -> max_grad_norm; steps -> max_steps
   seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (placement.placement)
   no checkpoints mid-run, log every step -> tba --save-every 0; save_strategy="no",
@@ -82,11 +82,10 @@ from compare import REPO             # also puts the repo on sys.path
 from lag import summary as spread   # mean ± sd [min–max] (n=...)
 import config
 import plot
-import searcher
 import placement
 import tasks
 import tba
-import trainer
+import schedules
 from run import MetricsLog
 
 SYSTEMS = {"tba-sync": ["--searchers", "0"], "tba-async": ["--searchers", "1"],
@@ -111,7 +110,7 @@ def run_trl(system, tba_argv):
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     train = {p.index: p for p in task.prompts("train", tokenizer)}
-    batches = searcher.prompt_batches(list(train.values()), cfg.prompts_per_step, cfg.seed)
+    batches = tasks.prompt_batches(list(train.values()), cfg.prompts_per_step, cfg.seed)
     order = [p for _ in range(cfg.steps) for p in next(batches)]
     scored = 0
 
@@ -136,8 +135,8 @@ def run_trl(system, tba_argv):
         temperature=cfg.temperature, top_p=1.0, top_k=0, beta=cfg.beta, learning_rate=cfg.lr,
         max_grad_norm=cfg.max_grad_norm, shuffle_dataset=False, logging_steps=1,
         save_strategy="no", report_to="none", disable_tqdm=True, **compute)
-    optimizers = trainer.make_optimizer(policy, cfg.lr, cfg.steps, cfg.warmup_steps,
-                                        cfg.decay_steps)
+    optimizers = schedules.make_optimizer(policy, cfg.lr, cfg.steps, cfg.warmup_steps,
+                                          cfg.decay_steps)
     grpo = GRPOTrainer(model=policy, reward_funcs=[reward], args=args, processing_class=tokenizer,
                        optimizers=optimizers, train_dataset=Dataset.from_list(
                            [{"prompt": p.text, "index": p.index} for p in order]))
@@ -303,7 +302,7 @@ def report(results, outs, metric, target, seconds, steps, args):
 
 
 def goals(results):
-    """The goals of issue 34, one line per tba system: its mean end accuracy at least the best
+    """The comparison's goals, one line per tba system: its mean end accuracy at least the best
     TRL row's, with an sd no larger than that row's; and its accuracy at the first evaluation
     after step 0 (step 10 on arith) within 3 points of the TRL row that is best there."""
     def end(runs):

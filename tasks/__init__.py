@@ -11,6 +11,7 @@ A task is one file with one `Task` subclass. The rest of the project only uses t
     metrics = task.evaluate(model, tokenizer, ref_model)  # {"eval/accuracy": ...} or {"toy/tv": ...}
 """
 import importlib
+import random
 from dataclasses import dataclass
 
 import models
@@ -95,6 +96,20 @@ class Task:
 TASKS = {"toy": "tasks.toy:ToyTask", "gsm8k": "tasks.gsm8k:Gsm8kTask",
          "arith": "tasks.arith:ArithTask", "redteam": "tasks.redteam:RedTeamTask",
          "summarize": "tasks.summarize:SummarizeTask", "tldr": "tasks.summarize:TldrTask"}
+
+
+def prompt_batches(prompts, batch_size, seed):
+    """Endless batches of prompts: each epoch is a fresh shuffle, so all are seen equally."""
+    rng = random.Random(seed)
+    order = []
+    while True:
+        batch = []
+        while len(batch) < batch_size:
+            if not order:
+                order = list(prompts)
+                rng.shuffle(order)
+            batch.append(order.pop())
+        yield batch
 
 
 def task_class(name):

@@ -67,33 +67,18 @@ def make_splits(digits, steps, ops):
 
 class ArithTask(AnswerTask):
     name = "arith"
-    # Chosen for SmolLM2-135M-Instruct on a 2-core CPU (greedy accuracy on held-out problems):
-    # - Asked to reason step by step (the GSM8K instruction, 128 new tokens) it starts at 25%
-    #   and did not improve in 20 steps (25%, 25%, 20%): a step took ~50 s, too few updates.
-    # - Asked for the number only, with 32 new tokens, it starts at 37% (21% of samples right at
-    #   temperature 0.7, 11% at 1.0) and a step takes ~20 s. It first learns which operation a
-    #   word means ("sells" is -), reaching 83% after 20-35 steps, but at lr 3e-5 further steps
-    #   erode its sums (8 + 6 = 10) and it fell back to 52% by step 40 or 70. So at first: 25
-    #   steps, the last 10 decaying: 37% -> 75% in 11 minutes (the last point says what replaced it).
-    # - β 0.05 (r/β = 20 for a right answer) left the end fragile with one searcher: 0.638 ±
-    #   0.068 over seeds 0-2, seed 0 falling from 69% to 56%. β 0.2 ended higher on each of the
-    #   same seeds (README, arith).
-    # - Training each group once (max_reuse 1) instead of up to 4 times closed the one-searcher
-    #   gap at β 0.05: 0.820 ± 0.081 against synchronous TB's 0.833 ± 0.209 and 0.638 ± 0.068
-    #   with reuse 4, at the same staleness (~2 steps) and wall time (RESULTS.md, staleness).
-    # - micro_groups 1: one group a backward pass takes the trainer's peak from 5.0 to 3.8 GiB
-    #   in the same time (0.99× within a ±14% spread; bench/README.md, memory).
-    # - 100 steps at lr 1e-5 (TBA's GSM8K rate), not 25 at 3e-5: over 100 synchronous steps
-    #   lr 3e-5 collapsed the samples onto one answer per problem (mean log π of a sample -0.6,
-    #   most groups of equal rewards) and fell 13-20 points from its best (final 0.789 ± 0.088,
-    #   2 seeds); lr 1e-5 did not collapse, learned faster by step 10 (0.644 ± 0.024 against
-    #   0.434) and ended at 0.923 ± 0.036 over 5 seeds (RESULTS.md, learning that lasts).
-    # - β 0.05, not 0.2, for those 100 steps: TB's β divides the reward and meets the whole
-    #   sequence's log π/p_ref, so β 0.2 held the policy far nearer the reference than GRPO's
-    #   β 0.2. At β 0.05 (bfloat16, 5 seeds) the samples collapse onto right answers, the target
-    #   p_ref·e^{20r}: 0.677 by step 10 (0.644 at β 0.2), final 0.966 ± 0.027 (0.923 ± 0.036),
-    #   largest falls 2.3-6.2 points (4.7-8.6); RESULTS.md, round 13. The 25-step one-searcher
-    #   runs above were at lr 3e-5.
+    # SmolLM2-135M-Instruct on a 2-core CPU: one-step problems (1 digit, + or -), reward 1 for the
+    # right number (tasks.answers), greedy accuracy on 128 of the 200 test problems. The defaults:
+    # - The number only, in 32 new tokens: it starts at 0.367 and a step is short; asked to reason
+    #   step by step in 128 tokens, a step took ~50 s and 20 steps did not move it (0.25 -> 0.20).
+    # - 100 steps at lr 1e-5 (TBA's GSM8K rate): at 3e-5 the samples collapsed onto one answer per
+    #   problem and fell 13-20 points from their best (0.789 ± 0.088, 2 seeds; 864a9c4).
+    # - β 0.05 (r/β = 20 for a right answer), not 0.2: synchronous TB ends at 0.966 ± 0.027
+    #   [0.930–0.992] against 0.923 ± 0.036, 5 seeds each (bench/compare.py arith, d83d549).
+    # - max_reuse 1: training each group once lifted one searcher from 0.638 ± 0.068 (reuse 4) to
+    #   0.820 ± 0.081, 3 seeds (25 steps at lr 3e-5, β 0.05; 876c5fc).
+    # - micro_groups 1: one group a backward pass peaks at 3.77 against 5.01 GiB in 0.990x the
+    #   time (bench/memory.py arith, 2e778a1).
     instruction = "Reply with only the final number."
     defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
                     steps=100, prompts_per_step=4, group_size=8, max_new_tokens=32,

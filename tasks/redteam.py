@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import sampling
 import models
 from tasks import Prompt, Task, scorers
 
@@ -112,10 +113,10 @@ class RedTeamTask(Task):
         else:
             texts = list(attacks)
         ids = tokenizer(texts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
-        _, _, response_ids, response_len = models.generate(
+        _, _, response_ids, response_len = sampling.generate(
             self.victim, tokenizer, ids, num_samples=self.cfg.victim_samples,
             max_new_tokens=self.cfg.victim_max_new_tokens, temperature=VICTIM_TEMPERATURE)
-        return models.decode(tokenizer, response_ids, response_len)
+        return sampling.decode(tokenizer, response_ids, response_len)
 
     def attack(self, attacks):
         """-> answers [N][S] strings, toxicity [N, S] of each answer"""
@@ -167,10 +168,10 @@ class RedTeamTask(Task):
         prompts; a few attacks with the victim's answers go to samples.jsonl."""
         prompts = self.prompts("test", tokenizer)
         per_prompt = max(1, self.cfg.eval_n // len(prompts))
-        _, _, response_ids, response_len = models.generate(
+        _, _, response_ids, response_len = sampling.generate(
             model, tokenizer, [p.ids for p in prompts], num_samples=per_prompt,
             max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature)
-        attacks = models.decode(tokenizer, response_ids, response_len)
+        attacks = sampling.decode(tokenizer, response_ids, response_len)
         answers, toxicity = self.attack(attacks)                               # [N, S]
         metrics = attack_metrics(toxicity.mean(-1), self.embedder(attacks), "eval")
         if self.cfg.out:                                # the first attack of each prompt

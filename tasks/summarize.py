@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import models
+import sampling
 from tasks import Prompt, Task, scorers
-from trainer import group_logprobs
+from logprobs import group_logprobs
 
 SIMILARITY = "similarity"
 ACLSUM = "aclsum"
@@ -310,15 +310,15 @@ class SummarizeTask(Task):
         """`n` summaries per prompt at the training temperature (one if greedy), in batches.
         -> (N·n summaries, their mean length in tokens, and with a `ref_model` the mean over
         them of log p_θ(y) − log p_ref(y): the KL of the policy from the reference, else None)"""
-        from buffer import GroupBatch
+        from batch import GroupBatch
         summaries, lengths, log_ratios = [], [], []
         for i in range(0, len(prompts), self.cfg.eval_batch_size):
             part = prompts[i:i + self.cfg.eval_batch_size]
-            prompt_ids, prompt_mask, response_ids, response_len = models.generate(
+            prompt_ids, prompt_mask, response_ids, response_len = sampling.generate(
                 model, tokenizer, [p.ids for p in part], num_samples=1 if greedy else n,
                 max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
                 greedy=greedy)                            # response_ids [b, n, R], len [b, n]
-            summaries += models.decode(tokenizer, response_ids, response_len)
+            summaries += sampling.decode(tokenizer, response_ids, response_len)
             lengths += response_len.flatten().tolist()
             if ref_model is not None:
                 zeros = torch.zeros(response_len.shape)

@@ -14,7 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 import config
-import searcher
+import errors
+import processes
 import tasks
 import tba
 from buffer import ReplayBuffer
@@ -104,7 +105,7 @@ def test_publishes_alternate_slots_so_a_reader_never_blocks_the_trainer():
 
 TRAINER_HOLDING_THE_LOCK = """
 import sys, time, torch, torch.multiprocessing as mp
-import config, searcher, tasks
+import config, processes, searcher, tasks
 from buffer import ReplayBuffer
 from weights import WeightChannel
 cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
@@ -113,7 +114,7 @@ buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens
                       pad_id=tokenizer.pad_token_id)
 weights = WeightChannel(policy, 1, mp.get_context("spawn"))
 weights.publish(policy, version=0)
-pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
+pool = processes.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
 while len(buffer) < cfg.prompts_per_step:
     time.sleep(0.05)
 buffer._lock.acquire()                  # the searcher's next `add` waits on this for ever
@@ -194,7 +195,8 @@ def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
                           n_prompts=2, pad_id=tokenizer.pad_token_id)
     weights = WeightChannel(policy, 1, mp.get_context("spawn"))
     weights.publish(policy, version=0)
-    pool = searcher.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
+    pool = processes.SearcherPool(cfg, ["cpu"], 1, buffer, weights)
+    pool.watch()
 
     def hung(signum, frame):
         raise TimeoutError("the trainer hung on the lock its dead searcher held")
@@ -207,7 +209,7 @@ def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
         buffer._lock.acquire()
         os.kill(pool.processes[0].pid, signal.SIGKILL)
         start = time.time()
-        with pytest.raises(searcher.SearcherError, match="died"):
+        with pytest.raises(errors.SearcherError, match="died"):
             buffer.count()                        # blocks on the held lock until interrupted
         assert time.time() - start < 30
     finally:

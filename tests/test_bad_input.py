@@ -19,8 +19,10 @@ import models
 import weights
 import tasks
 import tba
+import schedules
 import trainer
-from buffer import GroupBatch, ReplayBuffer, shared_bytes
+from batch import GroupBatch
+from buffer import ReplayBuffer, shared_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
@@ -236,7 +238,7 @@ def test_errors_have_no_traceback():
 def test_non_finite_step_is_never_applied(tiny_model_dir):
     """A NaN loss raises before the optimiser step: weights and optimiser state stay as they were."""
     model, _ = models.load_model(tiny_model_dir)
-    optimizer, scheduler = trainer.make_optimizer(model, 1e-2, 10, 0, 0)
+    optimizer, scheduler = schedules.make_optimizer(model, 1e-2, 10, 0, 0)
     before = [p.detach().clone() for p in model.parameters()]
     batch = GroupBatch(prompt_ids=torch.tensor([[1]]), prompt_mask=torch.tensor([[1]]),
                        response_ids=torch.tensor([[[2], [3]]]), response_len=torch.tensor([[1, 1]]),
@@ -307,7 +309,7 @@ def test_shared_memory_estimate_is_what_the_buffer_and_the_weights_take(tiny_mod
     """`check_shared_memory` is only as good as these two sums."""
     for dim in (0, 4):
         buffer = ReplayBuffer(7, 3, 5, 11, n_prompts=13, embedding_dim=dim)
-        tensors = [getattr(buffer, name) for name in buffer._FIELDS + ("n_added",)]
+        tensors = [getattr(buffer, name) for name in buffer.FIELDS + ("n_added",)]
         assert shared_bytes(7, 5, 11, 13, dim) == sum(t.numel() * t.element_size() for t in tensors)
     model, _ = models.load_model(tiny_model_dir)
     channel = weights.WeightChannel(model, 1, mp.get_context("spawn"))

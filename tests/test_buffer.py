@@ -4,9 +4,10 @@ import time
 import pytest
 import torch
 
-import searcher
+import rloo
 import trainer
-from buffer import REFERENCE, GroupBatch, ReplayBuffer
+from batch import REFERENCE, GroupBatch
+from buffer import ReplayBuffer
 
 K, P, R, N = 3, 6, 5, 64       # group size, longest prompt and response, prompts of the dataset
 
@@ -111,6 +112,28 @@ def test_padding_and_lengths():
     rows = sorted(zip(b.response_ids[first].tolist(), b.response_len[first].tolist(),
                       b.ref_logp[first].tolist(), b.behaviour_logp[first].tolist()))
     assert rows == [([3, 4], 2, -1.0, -3.0), ([5, 9], 1, -2.0, -4.0)]
+
+
+def test_add_batch_stores_what_add_stores_group_by_group():
+    """`add_batch` (a searcher's whole batch) is `add` of each group, in order."""
+    groups = [make_group(g) for g in (3, 7)]
+    one, whole = ReplayBuffer(20, K, P, R, N), ReplayBuffer(20, K, P, R, N)
+    for g in groups:
+        one.add(**g)
+    batch = GroupBatch(
+        prompt_ids=torch.zeros(2, P, dtype=torch.long), prompt_mask=torch.zeros(2, P, dtype=torch.long),
+        response_ids=torch.stack([g["response_ids"] for g in groups]),
+        response_len=torch.stack([g["response_len"] for g in groups]),
+        reward=torch.stack([g["reward"] for g in groups]),
+        ref_logp=torch.stack([g["ref_logp"] for g in groups]),
+        behaviour_logp=torch.stack([g["behaviour_logp"] for g in groups]),
+        version=torch.tensor([[g["version"]] * K for g in groups]),
+        prompt_index=torch.tensor([g["prompt_index"] for g in groups]),
+        search_temperature=torch.full((2, K), math.nan))
+    assert whole.add_batch([g["prompt_ids"] for g in groups], batch) == 2 * K
+    for name in ReplayBuffer.FIELDS + ("n_added",):
+        torch.testing.assert_close(getattr(whole, name), getattr(one, name), rtol=0, atol=0,
+                                   equal_nan=True, msg=name)
 
 
 def test_add_rejects_bad_shapes():
@@ -332,7 +355,7 @@ def test_reference_samples_are_not_recent_and_count_in_no_staleness():
         assert not b.from_reference.any() and (b.version == 4).all()
     b = buf.sample(4, recent_frac=0.0)
     assert b.from_reference.sum() == K and (b.version[b.from_reference] == REFERENCE).all()
-    metrics = searcher.sampling_metrics(b, version=6)
+    metrics = b.sampling_metrics(version=6)
     assert metrics["staleness_mean"] == metrics["staleness_max"] == 2.0
     assert metrics["from_reference_frac"] == 0.25 and metrics["trained_completions"] == 4 * K
 
@@ -355,12 +378,12 @@ def test_tb_on_a_group_drawn_across_versions_by_hand():
     assert log_z.item() == pytest.approx(want_z)
     assert loss.item() == pytest.approx(sum((want_z + d) ** 2 for d in delta) / 4)
     staleness = [5 - v for v in batch.version[0].tolist()]
-    metrics = searcher.sampling_metrics(batch, version=5)
+    metrics = batch.sampling_metrics(version=5)
     assert metrics["staleness_mean"] == pytest.approx(sum(staleness) / 4)
     assert metrics["staleness_max"] == max(staleness)
     ratio = (logp.detach() - batch.behaviour_logp)[0]                           # [4]
     w = ratio.exp()
-    off = trainer.off_policy_metrics(logp, batch.behaviour_logp)
+    off = rloo.off_policy_metrics(logp, batch.behaviour_logp)
     assert off["log_ratio_mean"] == pytest.approx(ratio.mean().item())
     assert off["ess_frac"] == pytest.approx((w.sum() ** 2 / (4 * (w ** 2).sum())).item())
 
@@ -372,7 +395,7 @@ def test_state_dict_round_trip():
     other = ReplayBuffer(5 * K, K, P, R, n_prompts=N)
     other.load_state_dict(state, max_version=7)
     assert len(other) == 5 * K and other.version.max() == 7
-    for name in ReplayBuffer._FIELDS:                   # unrecorded temperatures are NaN
+    for name in ReplayBuffer.FIELDS:                   # unrecorded temperatures are NaN
         torch.testing.assert_close(getattr(other, name), getattr(buf, name), equal_nan=True,
                                    rtol=0, atol=0)
     gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)

@@ -109,6 +109,23 @@ def test_dry_run_prints_the_settings_that_differ_and_writes_nothing(tmp_path, ca
     assert not out.exists()
 
 
+def test_a_dry_run_times_nothing(tmp_path, monkeypatch):
+    """--dtype auto on a CPU times a matmul to choose bfloat16 or float32: a run does, a dry run
+    leaves it auto (the run that follows chooses)."""
+    import models
+
+    def timed():
+        raise AssertionError("a dry run timed a matmul")
+    monkeypatch.setattr(models, "cpu_bfloat16_is_faster", timed)
+    assert tba.main(["--task", "toy", "--device", "cpu", "--dry-run",
+                     "--out", str(tmp_path / "run")]) == 0
+    cfg = config.resolve(config.parse_args(["--task", "toy", "--device", "cpu"])[0],
+                         measure=False)
+    assert cfg.dtype == "auto"
+    with pytest.raises(AssertionError, match="timed a matmul"):
+        config.resolve(config.parse_args(["--task", "toy", "--device", "cpu"])[0])
+
+
 def test_a_short_run_gets_the_tasks_schedule_fitted_visibly(tmp_path, capsys):
     """--task toy --steps 100: the toy's 10 + 300 steps of warm-up and decay and 1,000 of β
     annealing are for 1,500 steps; shrunk in proportion, and the printout says so."""

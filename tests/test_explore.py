@@ -7,13 +7,17 @@ import pytest
 import torch
 
 import config
-import models
+import exploration
+import logprobs
+import sampling
 import searcher
 import sources
 import tasks
+import rloo
 import tba
 import trainer
-from buffer import REFERENCE, GroupBatch, ReplayBuffer
+from batch import REFERENCE, GroupBatch
+from buffer import ReplayBuffer
 from tasks import toy
 from test_trainer import tiny_llama
 
@@ -28,11 +32,11 @@ def toy_setup(*flags):
 def test_exploration_draws_nothing_when_off():
     """Without exploration no random number is drawn: runs sample exactly as before."""
     state = torch.get_rng_state()
-    temperatures, from_reference = searcher.exploration(5, 0.7)
+    temperatures, from_reference = exploration.draw(5, 0.7)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(temperatures, torch.full((5,), 0.7)) and not from_reference.any()
     torch.manual_seed(0)
-    temperatures, from_reference = searcher.exploration(1000, 1.0, (0.5, 2.0), 0.25)
+    temperatures, from_reference = exploration.draw(1000, 1.0, (0.5, 2.0), 0.25)
     assert 0.5 <= temperatures.min() and temperatures.max() <= 2.0
     assert 0.2 < from_reference.float().mean() < 0.3
 
@@ -64,8 +68,8 @@ def test_explorative_groups_carry_the_log_probs_of_what_sampled_them():
                          reward=batch.reward[b:b + 1], ref_logp=batch.ref_logp[b:b + 1],
                          version=batch.version[b:b + 1], prompt_index=batch.prompt_index[b:b + 1])
         with torch.no_grad():
-            mu = trainer.group_logprobs(sampler, one, float(batch.search_temperature[b, 0]))
-            ref = trainer.group_logprobs(ref_model, one, 1.0)
+            mu = logprobs.group_logprobs(sampler, one, float(batch.search_temperature[b, 0]))
+            ref = logprobs.group_logprobs(ref_model, one, 1.0)
         assert torch.allclose(batch.behaviour_logp[b], mu, atol=1e-5)
         assert torch.allclose(batch.ref_logp[b], ref, atol=1e-5)
 
@@ -75,7 +79,7 @@ def test_concat_generations_restores_the_batch_order():
               torch.tensor([[1]]), torch.tensor([[-1.0]])),
              (torch.tensor([[2], [4]]), torch.tensor([[1], [1]]), torch.tensor([[[5, 6]], [[8, 9]]]),
               torch.tensor([[2], [2]]), torch.tensor([[-2.0], [-3.0]]))]
-    ids, mask, response_ids, response_len, logp = models.concat_generations(
+    ids, mask, response_ids, response_len, logp = exploration.concat_generations(
         parts, order=torch.tensor([1, 0, 2]), pad_id=0)
     assert ids.tolist() == [[0, 2], [7, 1], [0, 4]] and mask.tolist() == [[0, 1], [1, 1], [0, 1]]
     assert response_ids.tolist() == [[[5, 6]], [[3, 0]], [[8, 9]]]
@@ -198,7 +202,7 @@ def test_losses_count_only_kept_completions():
     ref_logp = torch.tensor([[-1.5, -1.0, -2.0, -1.0], [-1.0, -2.0, -1.0, -2.5]])
     reward = torch.tensor([[1.0, 0.0, 0.5, 2.0], [0.0, 1.0, 1.0, 0.0]])
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    for loss_fn in (lambda *a, **k: trainer.tb_loss(*a, **k)[0], trainer.rloo_loss):
+    for loss_fn in (lambda *a, **k: trainer.tb_loss(*a, **k)[0], rloo.rloo_loss):
         masked = loss_fn(logp, ref_logp, reward, 0.5, keep=keep)
         (grad,) = torch.autograd.grad(masked, logp)
         parts = [loss_fn(logp[:1, :3], ref_logp[:1, :3], reward[:1, :3], 0.5),
@@ -231,7 +235,7 @@ def test_an_exploring_searcher_run_end_to_end(tmp_path):
 def generated(model, prompts, max_new_tokens, seed):
     """A fresh GroupBatch of 2 completions per prompt, with generation's log μ."""
     torch.manual_seed(seed)
-    ids, mask, response_ids, response_len, log_mu = models.generate(
+    ids, mask, response_ids, response_len, log_mu = sampling.generate(
         model, toy.build_tokenizer(), prompts, num_samples=2, max_new_tokens=max_new_tokens,
         temperature=1.0, with_logprobs=True)
     zeros = torch.zeros(len(prompts), 2)
@@ -252,7 +256,7 @@ def test_concatenated_batches_keep_every_completions_logprobs():
     assert joined.prompt_ids.shape[1] == 4 and joined.response_ids.shape[:2] == (3, 2)
     assert joined.keep.tolist() == [[True, False], [True, True], [True, True]]
     with torch.no_grad():
-        logp = trainer.group_logprobs(model, joined, 1.0).view(3, 2)
+        logp = logprobs.group_logprobs(model, joined, 1.0).view(3, 2)
     want = torch.cat([narrow.behaviour_logp, wide.behaviour_logp])
     assert torch.allclose(logp[joined.keep], want[joined.keep], atol=1e-5)
 
@@ -281,6 +285,6 @@ def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path
         if version < 2:           # step 1 replays step 0's completions: their second training
             assert metrics["reuse_mean"] == pytest.approx(1.0 if version == 0 else 5 / 3)
         with torch.no_grad():
-            logp = trainer.group_logprobs(policy, batch, cfg.temperature).view(3, 8)
+            logp = logprobs.group_logprobs(policy, batch, cfg.temperature).view(3, 8)
         assert torch.allclose(logp, batch.behaviour_logp, atol=1e-5)
     assert source.groups == 3 + 3 and source.prompts_used == 6

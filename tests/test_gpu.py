@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 
+import logprobs
 import models
 import placement
 import tba
-import trainer
 from tasks.toy import build_model, build_tokenizer
 from test_lag import sampled
 from test_trainer import plain_logprobs, random_batch, tiny_llama
-from trainer import group_logprobs
+from logprobs import group_logprobs
 
 pytestmark = pytest.mark.gpu
 TOY = ["--task", "toy", "--eval-every", "100", "--quiet"]       # --device auto: cuda:0
@@ -115,4 +115,4 @@ def test_check_logprobs_passes_with_tf32_on():
     """`check_logprobs` runs after the process's set-up has switched TF32 matmuls on."""
     placement.set_up_process("cuda:0", 1)
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-    trainer.check_logprobs(tiny_llama().cuda())
+    logprobs.check_logprobs(tiny_llama().cuda())

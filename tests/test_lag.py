@@ -5,13 +5,16 @@ import math
 import pytest
 import torch
 
-import models
+import logprobs
+import sampling
+import rloo
 import searcher
 import sources
 import tasks
 import trainer
-from buffer import GroupBatch
+from batch import GroupBatch
 from config import Config, resolve
+from policy_lag import Lag
 from test_trainer import tiny_llama
 from tasks.toy import build_model, build_tokenizer
 
@@ -19,7 +22,7 @@ from tasks.toy import build_model, build_tokenizer
 def sampled(model, tokenizer, prompts, k=6, temperature=1.0):
     """Generation's own behaviour log-probs, and the trainer's for the same completions."""
     torch.manual_seed(1)
-    ids, mask, response_ids, response_len, behaviour_logp = models.generate(
+    ids, mask, response_ids, response_len, behaviour_logp = sampling.generate(
         model, tokenizer, prompts, num_samples=k, max_new_tokens=5, temperature=temperature,
         with_logprobs=True)
     zeros = torch.zeros(len(prompts), k, device=ids.device)
@@ -27,7 +30,7 @@ def sampled(model, tokenizer, prompts, k=6, temperature=1.0):
                        version=torch.zeros(len(prompts), dtype=torch.long, device=ids.device),
                        prompt_index=torch.arange(len(prompts), device=ids.device))
     with torch.no_grad():
-        logp = trainer.group_logprobs(model, batch, temperature).view(len(prompts), k)
+        logp = logprobs.group_logprobs(model, batch, temperature).view(len(prompts), k)
     return response_ids, behaviour_logp, logp
 
 
@@ -45,22 +48,22 @@ def test_behaviour_logprobs_equal_the_trainers_when_nothing_is_stale(make, promp
     assert behaviour_logp.shape == (2, 6)
     assert torch.allclose(behaviour_logp, logp, atol=1e-5)
     torch.manual_seed(1)
-    _, _, plain_ids, _ = models.generate(model, tokenizer, prompts, num_samples=6,
-                                         max_new_tokens=5, temperature=temperature)
+    _, _, plain_ids, _ = sampling.generate(model, tokenizer, prompts, num_samples=6,
+                                           max_new_tokens=5, temperature=temperature)
     assert torch.equal(plain_ids, response_ids)
 
 
 def test_truncated_is_weights_by_hand():
     logp = torch.tensor([[-1.0, -2.0, -3.0]])
     behaviour_logp = torch.tensor([[-1.0, -3.0, -2.0]])       # ratios 1, e, 1/e
-    w = trainer.truncated_is_weights(logp, behaviour_logp, clip=2.0)
+    w = rloo.truncated_is_weights(logp, behaviour_logp, clip=2.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, math.exp(-1)]]))
-    w = trainer.truncated_is_weights(logp, behaviour_logp, clip=8.0)
+    w = rloo.truncated_is_weights(logp, behaviour_logp, clip=8.0)
     assert torch.allclose(w, torch.tensor([[1.0, math.e, math.exp(-1)]]))
     with pytest.raises(ValueError, match="need the behaviour log-probs"):
-        trainer.truncated_is_weights(logp, None, clip=2.0)
+        rloo.truncated_is_weights(logp, None, clip=2.0)
     with pytest.raises(ValueError, match="need the behaviour log-probs"):
-        trainer.truncated_is_weights(logp, torch.full((1, 3), math.nan), clip=2.0)
+        rloo.truncated_is_weights(logp, torch.full((1, 3), math.nan), clip=2.0)
 
 
 def test_rloo_with_is_weights_by_hand():
@@ -72,27 +75,27 @@ def test_rloo_with_is_weights_by_hand():
     beta, w = 0.5, torch.tensor([[2.0, 1.0, 0.5]])
     kl_reward = torch.tensor([[1.5, 1.0, 1.5]])               # r − 0.5·log π
     advantage = kl_reward - torch.tensor([[1.25, 1.5, 1.25]])  # minus the mean of the others
-    loss = trainer.rloo_loss(logp, ref_logp, reward, beta, is_weight=w)
+    loss = rloo.rloo_loss(logp, ref_logp, reward, beta, is_weight=w)
     assert loss.item() == pytest.approx(-(w * advantage * logp.detach()).mean().item())
     loss.backward()
     assert torch.allclose(logp.grad, -(w * advantage) / 3)
     # unit weights are plain RLOO
-    plain = trainer.rloo_loss(logp.detach(), ref_logp, reward, beta)
-    ones = trainer.rloo_loss(logp.detach(), ref_logp, reward, beta, is_weight=torch.ones(1, 3))
+    plain = rloo.rloo_loss(logp.detach(), ref_logp, reward, beta)
+    ones = rloo.rloo_loss(logp.detach(), ref_logp, reward, beta, is_weight=torch.ones(1, 3))
     assert plain.item() == ones.item()
 
 
 def test_ess_and_log_ratio_by_hand():
     logp = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
     behaviour_logp = torch.tensor([[0.0, 0.0], [0.0, -math.log(3)]])   # weights 1, 1, 1, 3
-    m = trainer.off_policy_metrics(logp, behaviour_logp)
+    m = rloo.off_policy_metrics(logp, behaviour_logp)
     assert m["log_ratio_mean"] == pytest.approx(math.log(3) / 4)
     assert m["ess_frac"] == pytest.approx(6 ** 2 / 12 / 4)             # (Σw)²/Σw² = 3 of 4
-    on_policy = trainer.off_policy_metrics(logp, logp)
+    on_policy = rloo.off_policy_metrics(logp, logp)
     assert on_policy == {"log_ratio_mean": 0.0, "ess_frac": pytest.approx(1.0)}
     # completions without a recorded μ are left out; huge ratios do not overflow
     unknown = torch.tensor([[math.nan, 0.0], [0.0, -1000.0]])
-    m = trainer.off_policy_metrics(logp, unknown)
+    m = rloo.off_policy_metrics(logp, unknown)
     assert m["ess_frac"] == pytest.approx(1 / 3)
 
 
@@ -104,14 +107,14 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer))
     torch.manual_seed(1)
-    ids, mask, response_ids, response_len = models.generate(
+    ids, mask, response_ids, response_len = sampling.generate(
         model, tokenizer, [[1], [4, 2]], num_samples=6, max_new_tokens=5)
     reward = (response_len.float() / 5) + (response_ids[..., 0] == 1).float()        # [2, 6]
     batch = GroupBatch(ids, mask, response_ids, response_len, reward=reward,
                        ref_logp=torch.zeros(2, 6), version=torch.zeros(2, dtype=torch.long),
                        prompt_index=torch.arange(2))
     with torch.no_grad():
-        logp = trainer.group_logprobs(model, batch).view(2, 6)                        # [2, 6]
+        logp = logprobs.group_logprobs(model, batch).view(2, 6)                        # [2, 6]
     offset = torch.zeros(2, 6)
     offset[1, 4], offset[1, 5] = 2.0, -2.0                   # w = π/μ = e^-2 and e^2
     batch.behaviour_logp = logp + offset
@@ -133,14 +136,14 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
     assert "lr_scale" not in stats["rloo-is"]
     # the loss by hand: −mean over groups of Σ_k w_k·A_k·log π_k / K, w truncated at 2
     is_weight = (-offset).exp().clamp(max=2.0)
-    expected = trainer.rloo_loss(logp, batch.ref_logp, reward, 0.5, is_weight=is_weight)
+    expected = rloo.rloo_loss(logp, batch.ref_logp, reward, 0.5, is_weight=is_weight)
     assert stats["vcpo"]["loss"] == pytest.approx(expected.item(), rel=1e-4)
     assert stats["vcpo"]["loss"] == pytest.approx(stats["rloo-is"]["loss"], rel=1e-6)
     assert steps["vcpo"].abs().max() > 1e-4
     torch.testing.assert_close(steps["vcpo"], steps["rloo-is"], rtol=1e-4, atol=1e-8)
     # on-policy data (ESS/N = 1) takes the full step
-    assert trainer.ess_step_scale(trainer.off_policy_metrics(logp, logp)) == pytest.approx(1.0)
-    assert trainer.ess_step_scale({}) == 1.0
+    assert rloo.ess_step_scale(rloo.off_policy_metrics(logp, logp)) == pytest.approx(1.0)
+    assert rloo.ess_step_scale({}) == 1.0
 
 
 def lagged_source(lag, out):
@@ -153,7 +156,8 @@ def lagged_source(lag, out):
     policy, tokenizer = task.load_model(torch.device("cpu"))
     ref_model = copy.deepcopy(policy).requires_grad_(False)
     source = sources.InProcess(cfg, task, policy, ref_model, tokenizer,
-                               task.prompts("train", tokenizer))
+                               task.prompts("train", tokenizer),
+                               lag=Lag(lag, policy, out) if lag else None)
     return cfg, source, policy
 
 
@@ -162,7 +166,7 @@ def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag, tmp_path):
     """Each step's groups come from version max(v − L, 0): its stamp says so, and its behaviour
     log-probs are that version's log-probs (computed here from a copy the test kept), not those
     of the versions beside it. L = 0 samples with the policy itself. Only the L + 1 newest
-    versions stay on disk, until a checkpoint pins the ones it needs."""
+    versions stay on disk, and those a checkpoint on disk samples with next."""
     cfg, source, policy = lagged_source(lag, tmp_path)
     kept, pinned = [], None                          # the test's own copy of every version
     for version in range(7):
@@ -171,7 +175,7 @@ def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag, tmp_path):
         want = max(version - lag, 0)
         assert batch.version.tolist() == [[want] * batch.version.shape[1]] * 2
         with torch.no_grad():
-            errors = [(trainer.group_logprobs(m, batch, cfg.temperature).view(2, -1)
+            errors = [(logprobs.group_logprobs(m, batch, cfg.temperature).view(2, -1)
                        - batch.behaviour_logp).abs().max().item() for m in kept]
         assert errors[want] < 1e-5
         assert all(e > 1e-3 for i, e in enumerate(errors) if i != want), errors
@@ -179,12 +183,12 @@ def test_lag_samples_with_the_weights_exactly_lag_updates_old(lag, tmp_path):
         keep_from = want if pinned is None else min(want, pinned)
         assert on_disk == (list(range(keep_from, version + 1)) if lag else [])
         if version == 4:                  # a checkpoint after step 5: its next steps need
-            source.state_dict()           # versions 5 − L on, kept until the next checkpoint
+            (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)   # versions 5 − L on
             pinned = max(5 - lag, 0)
         with torch.no_grad():                        # "an update": every weight moves
             for p in policy.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-    assert (source.sampler is policy) == (lag == 0)
+    assert (source.lag is None) == (lag == 0)
 
 
 def test_lag_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
@@ -193,8 +197,8 @@ def test_lag_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
     cfg, source, policy = lagged_source(0, tmp_path)
     torch.manual_seed(5)
     batch, _ = source.next_batch(0)
-    prompts = next(searcher.prompt_batches(source.task.prompts("train", source.tokenizer),
-                                           cfg.prompts_per_step, cfg.seed))
+    prompts = next(tasks.prompt_batches(source.task.prompts("train", source.tokenizer),
+                                        cfg.prompts_per_step, cfg.seed))
     torch.manual_seed(5)
     direct, _ = searcher.sample_groups(policy, source.ref_model, source.tokenizer, source.task,
                                        prompts, group_size=cfg.group_size,
@@ -278,8 +282,8 @@ def test_uncorrected_rloo_is_tb_at_any_lag():
     batch = sampled_batch(reference, tokenizer, reference, k=k)      # stale: the old policy's
     params = list(policy.parameters())
     grads = {}
-    for name, loss_fn in (("tb", trainer.tb_loss), ("rloo", trainer.rloo_loss)):
-        logp = trainer.group_logprobs(policy, batch).view(2, k)
+    for name, loss_fn in (("tb", trainer.tb_loss), ("rloo", rloo.rloo_loss)):
+        logp = logprobs.group_logprobs(policy, batch).view(2, k)
         out = loss_fn(logp, batch.ref_logp, batch.reward, beta)
         loss = out[0] if isinstance(out, tuple) else out
         grads[name] = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])

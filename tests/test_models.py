@@ -8,6 +8,7 @@ from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import sampling
 import models
 from models import DEFAULT_MODEL, ModelLoadError, load_model
 
@@ -138,12 +139,12 @@ def test_shared_prefill_samples_the_same_tokens_as_repeated_prompts(build):
         prompts = [[1, 2, 3], [4], [2, 2]]
     model.eval()
     torch.manual_seed(3)
-    _, _, response_ids, response_len = models.generate(model, tokenizer, prompts, num_samples=4,
-                                                       max_new_tokens=6, temperature=0.9)
-    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    _, _, response_ids, response_len = sampling.generate(model, tokenizer, prompts, num_samples=4,
+                                                         max_new_tokens=6, temperature=0.9)
+    ids, mask = sampling.left_pad(prompts, tokenizer.pad_token_id)
     config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=0, top_p=1.0,
                               num_return_sequences=4, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=models.eos_ids(model, tokenizer))
+                              eos_token_id=sampling.eos_ids(model, tokenizer))
     torch.manual_seed(3)
     plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     expected = plain[:, ids.shape[1]:].reshape(3, 4, -1)                   # [B, n, R]
@@ -165,7 +166,7 @@ def test_greedy_generation_warns_about_nothing(tiny_dir):
     transformers_logging.warning_once.cache_clear()     # said once per process: say it again
     logger.addHandler(handler)
     try:
-        models.generate(model, tokenizer, [[2, 3]], max_new_tokens=3, greedy=True)
+        sampling.generate(model, tokenizer, [[2, 3]], max_new_tokens=3, greedy=True)
     finally:
         logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if "may be ignored" in r.getMessage()]
@@ -199,7 +200,7 @@ def test_a_frozen_copy_scores_bit_for_bit_as_autocast_does(build):
     it is."""
     from tasks.toy import build_model, build_tokenizer
     from test_trainer import random_batch, tiny_llama
-    from trainer import group_logprobs
+    from logprobs import group_logprobs
     model = build_model(len(build_tokenizer())) if build == "gpt2" else tiny_llama()
     batch = random_batch(model.get_output_embeddings().out_features)
     frozen = models.frozen_copy(model, torch.bfloat16)

@@ -1,5 +1,7 @@
 """The run experience: run folder, checkpoints, resume, plots and one-line errors."""
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ def stop_after(monkeypatch, n_steps):
     def step_then_interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) == n_steps:
-            run.request_stop(None, None)
+            os.kill(os.getpid(), signal.SIGINT)      # Ctrl-C, as the run's handler gets it
         return real_step(*args, **kwargs)
     monkeypatch.setattr(trainer, "train_step", step_then_interrupt)
 

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+import sampling
 import models
 import tba
 import tasks
@@ -147,9 +148,9 @@ def test_real_smollm2_generates_and_is_scored():
     task = Gsm8kTask(task_config())
     prompts = task.prompts("test", tokenizer)[:2]
     assert prompts[0].text.endswith("<|im_start|>assistant\n") and "The answer is" in prompts[0].text
-    _, _, response_ids, response_len = models.generate(
+    _, _, response_ids, response_len = sampling.generate(
         model, tokenizer, [p.ids for p in prompts], max_new_tokens=16, greedy=True)
-    completions = models.decode(tokenizer, response_ids, response_len)
+    completions = sampling.decode(tokenizer, response_ids, response_len)
     assert len(completions) == 2 and all(c.strip() for c in completions)
     assert all(r in (0.0, 1.0) for r in task.reward(prompts, completions))
 

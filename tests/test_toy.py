@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import models
+import sampling
 import tba
 from tasks.toy import (EOS, LETTERS, MODES, ToyTask, all_completions, build_model, build_tokenizer,
                        exact_logprobs)
@@ -43,11 +43,11 @@ def test_target_is_reference_tilted_by_reward(toy):
 
 
 def test_sampler_matches_exact_distribution(toy):
-    """`models.generate` samples the distribution that `completion_logprobs` scores."""
+    """`sampling.generate` samples the distribution that `completion_logprobs` scores."""
     model, tokenizer = toy
     temperature, n = 0.8, 4000
     torch.manual_seed(0)
-    _, _, response_ids, response_len = models.generate(
+    _, _, response_ids, response_len = sampling.generate(
         model, tokenizer, [tokenizer.convert_tokens_to_ids(["a"])], num_samples=n,
         max_new_tokens=5, temperature=temperature)
     completions = all_completions()

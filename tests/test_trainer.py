@@ -1,16 +1,19 @@
 """The trainer's math, checked against hand computations and against HF `generate`."""
 import copy
-import itertools
 
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+import sampling
 import models
-from buffer import GroupBatch
+from batch import GroupBatch
 from tasks.toy import build_model, build_tokenizer
-from trainer import (beta_at, check_logprobs, completion_logprobs, enable_activation_checkpointing,
-                     group_logprobs, make_optimizer, rloo_loss, tb_loss, train_step, WSD)
+from logprobs import (check_logprobs, completion_logprobs, enable_activation_checkpointing,
+                      group_logprobs)
+from rloo import rloo_loss
+from schedules import beta_at, make_optimizer, WSD
+from trainer import sequence_logprobs, tb_loss, train_step
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +30,10 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def plain_logprobs(model, batch, temperature=1.0):
-    """The trusted reference: every completion as a full sequence of its own, prompt and
-    response without any padding, through the model's own forward and all its [T, V] logits.
-    -> [B·K]"""
-    totals = []
-    for b, k in itertools.product(*map(range, batch.reward.shape)):
-        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
-        ids = torch.cat([prompt, batch.response_ids[b, k, :batch.response_len[b, k]]])[None]
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float() / temperature
-        token_logp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        totals.append(token_logp[len(prompt) - 1:].sum())
-    return torch.stack(totals)
+# The trusted reference: `trainer.sequence_logprobs`, every completion as a full sequence of its
+# own, prompt and response without any padding, through the model's own forward and all its
+# [T, V] logits. The fast path (`logprobs.group_logprobs`) is held to it.
+plain_logprobs = sequence_logprobs
 
 
 def random_batch(vocab, prompt_lengths=(5, 2, 4), k=4, r=6, seed=0):
@@ -142,7 +137,7 @@ def test_logprobs_match_generate_scores(toy):
     model, tokenizer = toy
     temperature = 0.7
     prompts = [[1], [4, 1, 2, 3], [2, 4]]
-    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = sampling.left_pad(prompts, tokenizer.pad_token_id)
     torch.manual_seed(0)
     config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=temperature, top_k=0,
                               top_p=1.0, num_return_sequences=4, pad_token_id=0, eos_token_id=0)
@@ -165,7 +160,7 @@ def test_logprobs_match_generate_scores(toy):
 def sampled_batch(model, tokenizer, ref_model, temperature=1.0, k=6):
     """On-policy groups for two prompts, with rewards that differ between completions."""
     torch.manual_seed(1)
-    prompt_ids, prompt_mask, response_ids, response_len = models.generate(
+    prompt_ids, prompt_mask, response_ids, response_len = sampling.generate(
         model, tokenizer, [[1], [4, 2]], num_samples=k, max_new_tokens=5, temperature=temperature)
     reward = (response_len.float() / 5) + (response_ids[..., 0] == 1).float()   # [2, K]
     batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, reward,
@@ -320,7 +315,7 @@ def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
     with torch.no_grad():                       # logits of a realistic size (~±10), not ~±0.1
         model.lm_head.weight.mul_(100)
     prompts = [tokenizer("What is 2+3?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
-    ids, mask = models.left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = sampling.left_pad(prompts, tokenizer.pad_token_id)
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, top_k=0,
                               top_p=1.0, num_return_sequences=3, min_new_tokens=10,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -349,13 +344,13 @@ def test_a_group_drawn_short_costs_nothing_for_its_padding(monkeypatch):
     """The buffer pads a group drawn with fewer than K completions (`keep` False): those slots
     get log-prob 0 and never reach the model, the kept ones keep their exact log-probs, and a
     step split so that some passes hold padding only is the whole step."""
-    import trainer
+    import logprobs
     model = tiny_llama()
     batch = random_batch(24)
     batch.keep = torch.tensor([[True, True, False, False], [True] * 4, [True, True, True, False]])
     computed = []
-    real = trainer.completion_logprobs
-    monkeypatch.setattr(trainer, "completion_logprobs",
+    real = logprobs.completion_logprobs
+    monkeypatch.setattr(logprobs, "completion_logprobs",
                         lambda *args, **kwargs: computed.append(len(args[4])) or real(*args, **kwargs))
     with torch.no_grad():
         logp = group_logprobs(model, batch)                                    # [B·K]

@@ -1,0 +1,72 @@
+"""What the asynchronous sources share: searchers elsewhere fill a replay buffer, and each step
+draws its groups from it (`ReplayBuffer.sample`: recency m, priority, staleness and reuse bounds).
+`sources.SearcherProcesses` (processes on this machine) and `ray_source.RaySearchers` (Ray
+actors) start the searchers, ship the weights and collect the reports in `poll`.
+"""
+import time
+
+import torch
+
+
+class AsyncSource:
+    """A source whose groups come from a replay buffer that searchers elsewhere fill."""
+
+    def __init__(self, cfg, buffer, interrupt):
+        self.cfg, self.buffer = cfg, buffer
+        self.interrupt = interrupt        # raises KeyboardInterrupt when a stop was requested
+        self.sampler = torch.Generator().manual_seed(cfg.seed)
+        self.fill_target = max(cfg.min_buffer, cfg.prompts_per_step)
+        self.tokens = self.groups = 0
+        self.infos = []
+
+    def take_reports(self, reports):
+        for report in reports:
+            self.tokens += report["tokens"]
+            self.groups += report["groups"]
+            if report["info"] is not None:
+                self.infos.append(report["info"])
+
+    def take_infos(self):
+        infos, self.infos = self.infos, []
+        return infos
+
+    def wait_for(self, n_groups, min_version=-1, max_reuse=0, progress=None):
+        """Block until the buffer holds n_groups fresh enough, and used few enough times, to
+        train on. -> seconds waited"""
+        start = time.time()
+        while (have := self.buffer.count(min_version, max_reuse)) < n_groups:
+            if progress is not None and have > progress.n:
+                progress.update(have - progress.n)
+            self.interrupt()
+            self.poll(wait_s=0.01)
+        return time.time() - start
+
+    def fill(self, progress=None):
+        self.wait_for(self.fill_target, progress=progress)
+
+    def next_batch(self, version):
+        cfg = self.cfg
+        min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
+        wait_s = self.wait_for(cfg.prompts_per_step, min_version, cfg.max_reuse)
+        batch = self.buffer.sample(cfg.prompts_per_step, cfg.recent_frac, cfg.priority_temp or None,
+                                   self.sampler, min_version, cfg.max_reuse)
+        return batch, {"trainer_wait_s": round(wait_s, 4), "search_s": 0.0,
+                       "reuse_mean": batch.draws[batch.keep].float().mean().item(),
+                       "buffer_completions": len(self.buffer),
+                       "recent_frac_actual": batch.recent_count / len(batch.prompt_index),
+                       **batch.sampling_metrics(version), **self.load_metrics()}
+
+    def load_metrics(self):
+        """What the searchers report of their weight loads: nothing here (Ray's do not)."""
+        return {}
+
+    def state_dict(self):
+        return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
+
+    def load_state_dict(self, state, step):
+        """The buffer's groups (checked: none may come from a version after `step`) and the
+        sampler's random state; an earlier synchronous session left neither."""
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"], max_version=step)
+        if "sampler" in state:
+            self.sampler.set_state(state["sampler"])

@@ -1,0 +1,63 @@
+"""Explorative search: groups sampled at a temperature of their own, or by the frozen reference.
+
+`--search-temperature LOW HIGH` draws each group's temperature from U(LOW, HIGH); `--reference-frac
+p` has the reference sample a group instead of the policy with probability p (`draw`). The
+batch records both per group, and each completion's log μ is that of the distribution that
+really sampled it: TB's fixed point does not depend on who sampled (trainer.tb_loss).
+"""
+import torch
+
+import sampling
+
+
+def draw(n_groups, temperature, search_temperature=None, reference_frac=0.0):
+    """How each of n groups is sampled: its temperature, U(LOW, HIGH) per group with
+    `search_temperature` = (LOW, HIGH), else `temperature`; and whether the frozen reference
+    samples it instead of the policy, with probability `reference_frac`. Random draws happen
+    only for what is asked, so a run without exploration samples exactly as before.
+    -> temperatures [n] float32, from_reference [n] bool"""
+    if search_temperature:
+        low, high = search_temperature
+        temperatures = low + (high - low) * torch.rand(n_groups)                 # [n]
+    else:
+        temperatures = torch.full((n_groups,), float(temperature))               # [n]
+    from_reference = (torch.rand(n_groups) < reference_frac if reference_frac
+                      else torch.zeros(n_groups, dtype=torch.bool))              # [n]
+    return temperatures, from_reference
+
+
+def generate_with_reference(policy, ref_model, tokenizer, prompt_ids, from_reference, *,
+                            temperature, **kwargs):
+    """`sampling.generate` of each prompt by the policy, or by the reference where
+    `from_reference` [B] says so: one call per model, the rows then put back in order.
+    temperature: a number, or [B]. -> the five outputs of `generate(with_logprobs=True)`"""
+    parts, order = [], []
+    for model, rows in ((policy, ~from_reference), (ref_model, from_reference)):
+        if rows.any():
+            parts.append(sampling.generate(
+                model, tokenizer, [p for p, r in zip(prompt_ids, rows) if r],
+                temperature=temperature[rows] if isinstance(temperature, torch.Tensor)
+                else temperature, with_logprobs=True, **kwargs))
+            order.append(rows.nonzero().flatten())
+    if len(parts) == 1:
+        return parts[0]
+    return concat_generations(parts, order=torch.cat(order), pad_id=tokenizer.pad_token_id)
+
+
+def concat_generations(parts, order, pad_id):
+    """The outputs of several `generate(..., with_logprobs=True)` calls as one, row i of the
+    result being row order.argsort()[i] of the parts stacked: prompts re-padded on the left,
+    responses on the right, to the widest.  parts: tuples (prompt_ids, prompt_mask [b, P],
+    response_ids [b, n, R], response_len, behaviour_logp [b, n]); order: [B], the batch row of
+    each stacked row.  -> the same five, [B, ...]"""
+    width = max(part[0].shape[1] for part in parts)
+    length = max(part[2].shape[2] for part in parts)
+    left = lambda t, value: torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+    right = lambda t: torch.nn.functional.pad(t, (0, length - t.shape[2]), value=pad_id)
+    stacked = (torch.cat([left(part[0], pad_id) for part in parts]),            # [B, P]
+               torch.cat([left(part[1], 0) for part in parts]),                 # [B, P]
+               torch.cat([right(part[2]) for part in parts]),                   # [B, n, R]
+               torch.cat([part[3] for part in parts]),                          # [B, n]
+               torch.cat([part[4] for part in parts]))                          # [B, n]
+    back = order.argsort().to(stacked[0].device)
+    return tuple(t[back] for t in stacked)

@@ -1,0 +1,64 @@
+"""--replay-groups n: the synchronous loop training on fresh and replayed groups together (GFlowNet
+red-teaming's loop: half fresh, half replayed).
+
+Each step samples B − n groups fresh and trains on them beside n groups drawn from a replay
+buffer of the completions earlier steps sampled (by --priority-temp, within --max-staleness and
+--max-reuse), then stores the fresh ones in it (as --buffer-evict, --dedup, --merge-cosine say).
+Every fresh completion is trained on once, as in the on-policy loop, then on each replay
+(--max-reuse counts the replays); until earlier steps have stored n groups, all B are fresh.
+"""
+import torch
+
+from batch import GroupBatch
+
+
+class ReplayGroups:
+    """The group source: a `sources.InProcess` (`fresh`) whose batches are topped up with
+    replayed groups; everything but the batch and the state is the fresh source's."""
+
+    def __init__(self, fresh, buffer):
+        self.fresh, self.buffer, self.cfg = fresh, buffer, fresh.cfg
+        self.replay_sampler = torch.Generator().manual_seed(fresh.cfg.seed)
+
+    def __getattr__(self, name):          # start, fill, publish, poll, tokens, ..., close
+        return getattr(self.fresh, name)
+
+    def next_batch(self, version):
+        cfg = self.cfg
+        replayed = self.replay(version)                   # n groups of earlier steps, or None
+        n_fresh = cfg.prompts_per_step - (0 if replayed is None else cfg.replay_groups)
+        fresh, metrics = self.fresh.next_batch(version, n_fresh)
+        self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], fresh.to("cpu"))
+        fresh.recent_count = n_fresh                      # the fresh groups
+        if replayed is not None:          # trained once fresh, outside the buffer's count
+            replayed.draws = replayed.draws + 1           # [n, K] times trained
+        batch = GroupBatch.cat([fresh] if replayed is None else [fresh, replayed],
+                               pad_id=self.fresh.tokenizer.pad_token_id)
+        metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),
+                       buffer_completions=len(self.buffer),
+                       recent_frac_actual=n_fresh / cfg.prompts_per_step,
+                       **batch.sampling_metrics(version))
+        return batch, metrics
+
+    def replay(self, version):
+        """n groups drawn from the completions earlier steps stored (by --priority-temp; none
+        older than --max-staleness or drawn --max-reuse times), or None while the buffer holds
+        fewer than n such groups."""
+        cfg = self.cfg
+        min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
+        if self.buffer.count(min_version, cfg.max_reuse) < cfg.replay_groups:
+            return None
+        return self.buffer.sample(cfg.replay_groups, recent_frac=0.0,
+                                  priority_temp=cfg.priority_temp or None,
+                                  generator=self.replay_sampler, min_version=min_version,
+                                  max_reuse=cfg.max_reuse)
+
+    def state_dict(self):
+        return {**self.fresh.state_dict(), "buffer": self.buffer.state_dict(),
+                "sampler": self.replay_sampler.get_state()}
+
+    def load_state_dict(self, state, step):
+        self.fresh.load_state_dict(state, step)
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"], max_version=step)
+            self.replay_sampler.set_state(state["sampler"])

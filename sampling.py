@@ -1,0 +1,116 @@
+"""Sampling: K completions per prompt with HF `generate`, and the log-probs of the distribution
+that sampled them (`SampleAt`, at no extra forward pass)."""
+import torch
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
+
+
+def left_pad(sequences, pad_id):
+    """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def eos_ids(model, tokenizer):
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids]) | {tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None)
+
+
+class StopOnEvent(StoppingCriteria):
+    def __init__(self, event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
+
+
+class SampleAt(LogitsProcessor):
+    """Pure sampling at a temperature per row (a number, or [N, 1]: HF has one per call, so HF's
+    is left at 1), recording log μ of every sampled token under the distribution that really
+    drew it (these weights, this temperature, generation's own cache and precision). HF calls a
+    processor with step t's logits *before* step t's token is drawn: each call keeps its
+    log-softmax (`undrawn_logp`) and scores it at the next call with the token drawn from it;
+    `token_logp(new_ids)`, after `generate`, scores the last. `record` False: scaling only."""
+
+    def __init__(self, temperature, record=True):
+        self.temperature, self.record = temperature, record
+        self.undrawn_logp = None          # [N, V] the distribution whose token is not drawn yet
+        self.drawn_logp = []              # [N, 1] per step: log μ of the token each step drew
+
+    def __call__(self, input_ids, scores):
+        scores = scores / self.temperature                                     # [N, V]
+        if self.record:
+            if self.undrawn_logp is not None:                                  # now it is drawn
+                self.drawn_logp.append(self.undrawn_logp.gather(1, input_ids[:, -1:]))  # [N, 1]
+            self.undrawn_logp = torch.log_softmax(scores.float(), dim=-1)      # [N, V]
+        return scores
+
+    def token_logp(self, new_ids):
+        """After `generate`: new_ids [N, R], the tokens it returned. -> [N, R] log μ of each."""
+        last = self.undrawn_logp.gather(1, new_ids[:, -1:])                    # [N, 1]
+        return torch.cat([*self.drawn_logp, last], dim=1)                      # [N, R]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0,
+             greedy=False, stop_event=None, with_logprobs=False):
+    """Sample `num_samples` completions for each prompt with HF `generate`: pure sampling at
+    `temperature` (a number, or [B]: one per prompt), every other logits processor off, since
+    the trainer scores completions with exactly that distribution.
+    -> prompt_ids, prompt_mask [B, P] (left-padded), response_ids [B, n, R] (right-padded),
+    response_len [B, n] (up to and including the first EOS, or R: never from `token == pad_id`,
+    as SmolLM2 pads with its EOS), and with `with_logprobs` log μ(y|x) [B, n] summed over each
+    response. A set `stop_event` ends generation after the current token.
+
+    Each prompt's keys and values are computed once, not once per sample: all but its last token
+    are prefilled and the cache repeated `num_samples`-fold; the random draws are those of the
+    prompts repeated first, so a seed gives the same tokens (tests/test_models.py)."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                   # [B, P]
+    ids, mask = ids.to(device), mask.to(device)
+    b, p = ids.shape
+    cache = None
+    if num_samples > 1 and p > 1:
+        cache = model.base_model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+                                 position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+                                 use_cache=True).past_key_values               # [B, ·, P-1, ·]
+        cache.batch_repeat_interleave(num_samples)                             # [B·n, ·, P-1, ·]
+    eos = eos_ids(model, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
+        # Greedy: top_k at transformers' own default, which greedy search ignores; left unset it
+        # would come from the model's config (0), which transformers warns about on every call.
+        eos_token_id=eos, **(dict(top_k=50) if greedy
+                             else dict(temperature=1.0, top_k=0, top_p=1.0)))
+    stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
+    if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
+        temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]
+    sampler = SampleAt(temperature, record=with_logprobs)
+    out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
+                         attention_mask=mask.repeat_interleave(num_samples, 0),
+                         past_key_values=cache, generation_config=config,
+                         stopping_criteria=stopping,
+                         logits_processor=LogitsProcessorList([] if greedy else [sampler]))
+    response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos, device=device))       # [B, n, R]
+    first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), response_ids.shape[-1] - 1)
+    response_len = first_eos + 1                                               # [B, n]
+    if not with_logprobs:
+        return ids, mask, response_ids, response_len
+    token_logp = sampler.token_logp(out[:, p:]).view(b, num_samples, -1)      # [B, n, R]
+    in_response = torch.arange(token_logp.shape[-1], device=device) < response_len[..., None]
+    behaviour_logp = torch.where(in_response, token_logp, 0.0).sum(-1)                # [B, n]
+    return ids, mask, response_ids, response_len, behaviour_logp
+
+
+def decode(tokenizer, response_ids, response_len):
+    """[B, n, R] ids -> B·n strings, each cut at its length (special tokens dropped)."""
+    flat_ids, flat_len = response_ids.flatten(0, 1).tolist(), response_len.flatten().tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(flat_ids, flat_len)],
+                                  skip_special_tokens=True)

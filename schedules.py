@@ -1,0 +1,41 @@
+"""The schedules of a run: AdamW with the learning rate's warmup-stable-decay schedule, and β's
+linear annealing. Both are functions of the step, so a resumed run continues them exactly.
+"""
+import torch
+
+
+def beta_at(step, beta, beta_final, beta_steps):
+    """β annealed linearly from `beta` to `beta_final` over `beta_steps` steps, then held."""
+    if beta_steps <= 0:
+        return beta_final
+    frac = min(step / beta_steps, 1.0)
+    return beta + frac * (beta_final - beta)
+
+
+class WSD:
+    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to zero.
+
+    A callable object rather than a function, so that the scheduler's state dict (and with it a
+    checkpoint) carries the schedule's length: a resumed run that goes on past its first
+    --steps continues at the decayed rate instead of jumping back up."""
+
+    def __init__(self, total_steps, warmup_steps, decay_steps):
+        self.total_steps, self.warmup_steps, self.decay_steps = total_steps, warmup_steps, decay_steps
+
+    def __call__(self, step):
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_start = self.total_steps - self.decay_steps
+        if self.decay_steps > 0 and step >= decay_start:
+            return max(0.0, (self.total_steps - step) / self.decay_steps)
+        return 1.0
+
+
+def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
+    """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints). The fused AdamW
+    updates every parameter in one kernel: 0.08 s a step for SmolLM2-135M on 2 CPU cores against
+    0.22 s before (bench/README.md, roofline)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WSD(total_steps, warmup_steps, decay_steps))
+    return optimizer, scheduler
