@@ -19,6 +19,8 @@ from weights import copy_weights, shipped_state
 
 
 class Lag:
+    """The lagged sampler of a --lag run and the weight files behind it (RUN/lag/)."""
+
     def __init__(self, lag, policy, out):
         self.lag, self.out, self.dir = lag, Path(out), Path(out) / "lag"
         self.model = copy.deepcopy(policy).requires_grad_(False)    # the lagged sampler

@@ -1,0 +1,17 @@
+"""The README's reading order says what the files are: their line counts, none above 300."""
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_reading_order_counts_the_files_as_they_are():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Reading order"):text.index("## Files")]
+    rows = re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| (\d+) \|", section, re.M)
+    assert len(rows) >= 6
+    counts = {name: len((REPO / name).read_text().splitlines()) for name, _ in rows}
+    assert {name: int(n) for name, n in rows} == counts
+    assert max(counts.values()) <= 300
+    total = int(re.search(r"\(([\d,]+) lines, counted whole\)", section).group(1).replace(",", ""))
+    assert total == sum(counts.values())
