@@ -174,7 +174,7 @@ TASKS = {
                   "rloo-weak-kl": [*SYNC, "--loss", "rloo", "--beta", "0.01", "--beta-final", "0.01"]},
         # name -> (column header, digits, value from (training rows, evaluation rows))
         columns={"success_rate": ("eval success rate", 3, lambda t, e: e[-1]["eval/success_rate"]),
-                 "diversity": ("eval diversity of successes", 3, lambda t, e: e[-1]["eval/diversity"]),
+                 "diversity": ("eval diversity of successes", 3, lambda t, e: e[-1].get("eval/diversity")),
                  "eval_unique": ("eval distinct successes (of 32)", 1,
                                  lambda t, e: e[-1]["eval/unique_successes"]),
                  **{f"found_{s}s": (f"found by {s // 60} min", 1, lambda t, e, s=s: last_before(
@@ -266,8 +266,9 @@ def main():
     for setting, outs in runs.items():
         data = [plot.read_metrics(out) for out in outs]
         if data:
-            print(f"| {setting} | " + " | ".join(summary([value(t, e) for t, e in data], digits)
-                                                for _, digits, value in columns) + " |")
+            print(f"| {setting} | " + " | ".join(      # a value a run does not define is left out
+                summary([v for t, e in data if (v := value(t, e)) is not None], digits)
+                for _, digits, value in columns) + " |")
     finished_runs = [out for outs in runs.values() for out in outs]
     if spec["curve"][0] == "eval" and finished_runs:    # each run's evaluations, step by step
         key, steps = spec["curve"][1], [r["step"] for r in plot.read_metrics(finished_runs[0])[1]]

@@ -147,6 +147,8 @@ def plot_frontier(points, plot_to):
     for colour, (method, by_beta) in enumerate(sorted(points.items())):
         means = []
         for beta, runs_ in sorted(by_beta.items()):
+            if not runs_:                 # no run with two successes: no diversity to draw
+                continue
             ax.scatter([f for f, _ in runs_], [d for _, d in runs_], color=f"C{colour}", s=12,
                        alpha=0.5)
             means.append((statistics.mean(f for f, _ in runs_),
@@ -200,12 +202,12 @@ def report(task, runs, seeds, steps, settings, plot_to=None, frontier_to=None):
             for t, _ in runs_:
                 gen.append(at_least(t, "gen_groups", generated, "redteam/unique_successes") or 0)
                 clock.append(at_least(t, "time", wall, "redteam/unique_successes") or 0)
-                diversity.append(at_least(t, "gen_groups", generated, "redteam/diversity") or 0)
-            print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} | "
-                  f"{summary(diversity)} |")
+                diversity.append(at_least(t, "gen_groups", generated, "redteam/diversity"))
+            print(f"| {setting} | {summary(gen, 1)} | {summary(clock, 1)} | "     # undefined:
+                  f"{summary([d for d in diversity if d is not None])} |")     # left out
             method = setting.split("/")[-1]
             points.setdefault(method, {})[beta_of(SETTINGS[task][setting], task)] = \
-                list(zip(gen, diversity))
+                [(f, d) for f, d in zip(gen, diversity) if d is not None]
         if plot_to:
             plot_found(data, plot_to)
         if frontier_to:

@@ -252,12 +252,12 @@ def load_embedder(name=DEFAULT_EMBEDDER, device=torch.device("cpu"), batch_size=
 
 
 def diversity(emb):
-    """1 − mean cosine similarity over distinct pairs (i ≠ j) of unit rows emb [N, D]; 0.0 when
-    N < 2 (no pairs: nothing to be diverse about). Σ_{i≠j} e_i·e_j = |Σ_i e_i|² − Σ_i |e_i|²,
-    so this is O(N·D) rather than an N×N similarity matrix."""
+    """1 − mean cosine similarity over distinct pairs (i ≠ j) of unit rows emb [N, D]; None when
+    N < 2 (no pairs: undefined, which is not the 0 of N copies of one attack).
+    Σ_{i≠j} e_i·e_j = |Σ_i e_i|² − Σ_i |e_i|², so this is O(N·D), not an N×N matrix."""
     n = emb.shape[0]
     if n < 2:
-        return 0.0
+        return None
     emb = emb.double()
     pair_sum = emb.sum(0).square().sum() - emb.square().sum()
     return 1.0 - (pair_sum / (n * (n - 1))).item()
@@ -265,7 +265,8 @@ def diversity(emb):
 
 class UniqueSet:
     """The distinct items found so far, by embedding: an item whose cosine with a kept one is
-    ≥ threshold is a near-duplicate (a reworded attack is not a new attack) and is not kept."""
+    ≥ threshold is a near-duplicate (a reworded attack is not a new attack) and is not kept.
+    Added all at once, this is greedy (leader) clustering: len = the number of clusters."""
     def __init__(self, threshold=0.9):
         self.threshold, self.kept = threshold, None         # kept: [M, D] unit rows
 

@@ -165,7 +165,7 @@ def test_diversity():
     assert scorers.diversity(unit([1, 0], [-1, 0])) == pytest.approx(2.0)   # opposite
     # three rows: cosines 0.6, 0, 0.8 → mean 0.7 over the distinct pairs
     assert scorers.diversity(unit([1, 0], [0.6, 0.8], [0, 1])) == pytest.approx(1 - (0.6 + 0 + 0.8) / 3)
-    assert scorers.diversity(unit([1, 0])) == 0.0 and scorers.diversity(torch.zeros(0, 3)) == 0.0
+    assert scorers.diversity(unit([1, 0])) is None and scorers.diversity(torch.zeros(0, 3)) is None
 
 
 def test_unique_set_counts_near_duplicates_once():
