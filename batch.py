@@ -38,6 +38,13 @@ class GroupBatch:
         return GroupBatch(**{name: v.to(device) if isinstance(v, torch.Tensor) else v
                              for name, v in values.items()})
 
+    def groups(self, rows) -> "GroupBatch":
+        """The groups at `rows` (a slice or [n] indices) as a batch of their own, without the
+        fields only a whole fresh search has (info)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return GroupBatch(**{name: v[rows] if isinstance(v, torch.Tensor) else v
+                             for name, v in values.items() if name != "info"})
+
     def kept(self) -> torch.Tensor:
         """[B, K] bool: the completions that are really there, to train on and count."""
         return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep

@@ -125,6 +125,10 @@ class Config:
                                     ((lambda v: 0 < v[0] <= v[1]), "two numbers 0 < LOW <= HIGH"))
     reference_frac: float = flag(0.0, "share of groups sampled by the frozen reference model "
                                       "instead of the policy", within(0, 1))
+    search_temperature_frac: float = flag(1.0, "with --search-temperature: the share of groups "
+                                               "sampled at a drawn temperature, the others at "
+                                               "--temperature (GFlowNet red-teaming: 0.5)",
+                                          ((lambda v: 0 < v <= 1), "in (0, 1]"))
     # the objective
     loss: str = flag("tb", "tb (trajectory balance, valid off-policy); rloo (REINFORCE "
                            "leave-one-out, the on-policy baseline: needs --searchers 0, or "
@@ -142,6 +146,18 @@ class Config:
     beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
     beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
                            at_least(0))
+    reward_temp: float = flag(1.0, "--loss tb: τ at step 0, annealed linearly to 1 over "
+                                   "--reward-temp-steps: the target is (p_ref·exp(r/β))^(1/τ), "
+                                   "flatter while τ > 1 (GFlowNet red-teaming: 2 → 1 over the "
+                                   "first tenth of the run)", at_least(1))
+    reward_temp_steps: int = flag(0, "steps over which --reward-temp goes linearly to 1 (0: "
+                                     "held at --reward-temp)", at_least(0))
+    log_z: str = flag("group", "--loss tb: group (log Ẑ of a prompt estimated from its K "
+                               "completions in the batch, VarGrad) or learned (a log Z per "
+                               "prompt trained with the policy, at --log-z-lr; GFlowNet "
+                               "red-teaming learns it)", one_of("group", "learned"))
+    log_z_lr: float = flag(0.1, "--log-z learned: its learning rate (AdamW, the policy's "
+                                "schedule, no weight decay)", POSITIVE)
     # the optimiser
     lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
@@ -202,6 +218,13 @@ class Config:
                                  "sampled (by --priority-temp; stored as --buffer-evict, "
                                  "--dedup, --merge-cosine say), the others sampled fresh, as "
                                  "GFlowNet red-teaming trains (0: on-policy only)", at_least(0))
+    search_factor: int = flag(1, "--replay-groups only: each step samples this many times the "
+                                 "fresh groups it trains on, as that many searchers would; the "
+                                 "surplus goes to the replay buffer only (1: none)", at_least(1))
+    seed_buffer: int = flag(0, "--replay-groups only: before the first step, this many groups "
+                               "sampled by the frozen reference, scored and stored in the replay "
+                               "buffer (GFlowNet red-teaming seeds its buffer; counted as "
+                               "searched groups)", at_least(0))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
                                   "trainer, waiting for fresher ones if needed (-1: no bound)",
                               at_least(-1))
@@ -245,7 +268,7 @@ class Config:
 SECTIONS = {"task": "what to train", "steps": "how much", "loss": "the objective",
             "lr": "the optimiser", "searchers": "asynchrony", "eval_every": "evaluation and output"}
 # The learning-rate and β schedules: all three must fit in the run's --steps.
-SCHEDULE = ("warmup_steps", "decay_steps", "beta_steps")
+SCHEDULE = ("warmup_steps", "decay_steps", "beta_steps", "reward_temp_steps")
 # Command-line actions, not settings of the run: they are not stored in its config.json.
 ACTIONS = {"config": "read flags from a recipe, a TOML file whose keys are flag names "
                      "(prompts-per-step = 4); flags on the command line override it",
@@ -296,10 +319,11 @@ def parse_args(argv=None):
     given = set(vars(build_parser(with_defaults=False).parse_args(argv)))
     actions = {name: values.pop(name) for name in ACTIONS}
     given -= set(ACTIONS)
-    actions["recipe"] = {}
+    actions["recipe"], actions["recipe_steps"] = {}, None
     if actions["config"]:
         recipe = read_recipe(actions["config"])
         actions["recipe"] = {name: value for name, value in recipe.items() if name not in given}
+        actions["recipe_steps"] = recipe.get("steps")     # what its schedule was planned for
         values.update(actions["recipe"])
         given |= set(recipe)
     return Config(**values), given, actions
@@ -362,6 +386,8 @@ def check_ranges(cfg):
         value, valid = getattr(cfg, f.name), f.metadata["valid"]
         if value is not None and valid is not None and not passes(valid, value):
             raise ValueError(f"--{f.name.replace('_', '-')} must be {valid[1]} (got {value})")
+
+
 def check_combination(cfg):
     """The rules that tie fields together."""
     task = tasks.task_class(cfg.task)
@@ -376,6 +402,20 @@ def check_combination(cfg):
     if cfg.replay_groups >= cfg.prompts_per_step:
         raise ValueError(f"--replay-groups {cfg.replay_groups} leaves no fresh group of the "
                          f"--prompts-per-step {cfg.prompts_per_step}: use fewer")
+    for name, on in (("--search-factor", cfg.search_factor > 1),
+                     ("--seed-buffer", cfg.seed_buffer)):
+        if on and not cfg.replay_groups:
+            raise ValueError(f"{name} fills the synchronous loop's replay buffer, and "
+                             "--replay-groups is 0: add --replay-groups N, or drop it")
+    if cfg.search_temperature_frac < 1 and not cfg.search_temperature:
+        raise ValueError(f"--search-temperature-frac {cfg.search_temperature_frac} is the share "
+                         "of groups sampled at a drawn temperature, and --search-temperature "
+                         "is not set: add --search-temperature LOW HIGH, or drop it")
+    for name, on in ((f"--reward-temp {cfg.reward_temp}", cfg.reward_temp != 1),
+                     (f"--log-z {cfg.log_z}", cfg.log_z != "group")):
+        if on and cfg.loss != "tb":
+            raise ValueError(f"{name} shapes trajectory balance's target, and --loss is "
+                             f"{cfg.loss}: use --loss tb, or drop it")
     if cfg.replay_groups and cfg.lag:
         raise ValueError(f"--replay-groups with --lag {cfg.lag}: a lag sweep measures staleness "
                          "without replay: drop one of them")
@@ -457,12 +497,15 @@ def fit_schedule(cfg, from_task, task_steps):
     fraction of the peak lr. from_task: the SCHEDULE fields the task or the recipe chose;
     task_steps: the run length they were chosen for."""
     def fits(c):
-        return c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
+        return (c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
+                and c.reward_temp_steps <= c.steps)
     if fits(cfg):
         return cfg
     scale = cfg.steps / task_steps
     cfg = dataclasses.replace(cfg, **{name: round(getattr(cfg, name) * scale)
                                       for name in SCHEDULE if name in from_task})
+    if "reward_temp_steps" in from_task and cfg.reward_temp_steps == 0:
+        cfg.reward_temp_steps = 1         # not 0, which would hold τ for the whole run
     if cfg.warmup_steps + cfg.decay_steps > cfg.steps:
         raise ValueError(f"the learning-rate schedule does not fit in --steps {cfg.steps}: "
                          f"--warmup-steps {cfg.warmup_steps} + --decay-steps {cfg.decay_steps} "
@@ -471,14 +514,20 @@ def fit_schedule(cfg, from_task, task_steps):
         raise ValueError(f"--beta-steps {cfg.beta_steps} is longer than the run's --steps "
                          f"{cfg.steps}: β would never reach --beta-final; use --beta-steps "
                          f"{cfg.steps} or fewer")
+    if cfg.reward_temp_steps > cfg.steps:
+        raise ValueError(f"--reward-temp-steps {cfg.reward_temp_steps} is longer than the run's "
+                         f"--steps {cfg.steps}: τ would never reach 1; use --reward-temp-steps "
+                         f"{cfg.steps} or fewer")
     return cfg
 
 
-def resolve(cfg, recipe=None, measure=True):
+def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
     """Fill the fields left unset with the task's defaults (and the machine's), fit the schedule
     to the run, and check every value and the combination. `recipe`: the values a recipe set
     (`parse_args`' actions["recipe"]): its schedule is fitted as the task's would be. `measure`
-    False (--dry-run): --dtype auto on a CPU stays auto instead of timing a matmul to choose."""
+    False (--dry-run): --dtype auto on a CPU stays auto instead of timing a matmul to choose.
+    `recipe_steps`: the recipe's --steps, the run its schedule was planned for, even when the
+    command line trains for another number of steps."""
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
     from_task = {k for k in task_defaults if getattr(cfg, k) is None}
@@ -501,19 +550,19 @@ def resolve(cfg, recipe=None, measure=True):
     if not cfg.resume:          # a resumed run keeps the schedule of its first session
         planned = {**task_defaults, **recipe}       # the schedule and the run it was made for
         cfg = fit_schedule(cfg, from_task | (set(SCHEDULE) & set(recipe)),
-                           planned.get("steps", cfg.steps))
+                           recipe_steps or planned.get("steps", cfg.steps))
     check_combination(cfg)
     return cfg
 
 
-def describe(cfg, given, width=100, recipe=None):
+def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     """The settings a run uses, compactly: by group, only those that differ from the flags'
     defaults; * marks a choice of the task (or of the machine: device, dtype, searchers), and a
     task's or recipe's schedule fitted to a shorter run says so. On --resume, the run's saved
     settings."""
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
-    planned = {**task_defaults, **recipe}
+    planned = {**task_defaults, **recipe, **({"steps": recipe_steps} if recipe_steps else {})}
     groups, title = {}, None
     for f in dataclasses.fields(Config):
         title = SECTIONS.get(f.name, title)

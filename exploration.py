@@ -1,8 +1,9 @@
 """Explorative search: groups sampled at a temperature of their own, or by the frozen reference.
 
-`--search-temperature LOW HIGH` draws each group's temperature from U(LOW, HIGH); `--reference-frac
-p` has the reference sample a group instead of the policy with probability p (`draw`). The
-batch records both per group, and each completion's log μ is that of the distribution that
+`--search-temperature LOW HIGH` draws each group's temperature from U(LOW, HIGH) (only a share
+`--search-temperature-frac` of the groups, the others at --temperature); `--reference-frac p`
+has the reference sample a group instead of the policy with probability p (`draw`). The batch
+records both per group, and each completion's log μ is that of the distribution that
 really sampled it: TB's fixed point does not depend on who sampled (trainer.tb_loss).
 """
 import torch
@@ -10,15 +11,20 @@ import torch
 import sampling
 
 
-def draw(n_groups, temperature, search_temperature=None, reference_frac=0.0):
+def draw(n_groups, temperature, search_temperature=None, reference_frac=0.0, explore_frac=1.0):
     """How each of n groups is sampled: its temperature, U(LOW, HIGH) per group with
-    `search_temperature` = (LOW, HIGH), else `temperature`; and whether the frozen reference
-    samples it instead of the policy, with probability `reference_frac`. Random draws happen
-    only for what is asked, so a run without exploration samples exactly as before.
+    `search_temperature` = (LOW, HIGH), else `temperature` (with `explore_frac` < 1 each group
+    is drawn from U(LOW, HIGH) with that probability, else at `temperature`: GFlowNet
+    red-teaming's half at U(0.5, 2), half at 1); and whether the frozen reference samples it
+    instead of the policy, with probability `reference_frac`. Random draws happen only for
+    what is asked, so a run without exploration samples exactly as before.
     -> temperatures [n] float32, from_reference [n] bool"""
     if search_temperature:
         low, high = search_temperature
         temperatures = low + (high - low) * torch.rand(n_groups)                 # [n]
+        if explore_frac < 1:
+            temperatures = torch.where(torch.rand(n_groups) < explore_frac, temperatures,
+                                       float(temperature))                        # [n]
     else:
         temperatures = torch.full((n_groups,), float(temperature))               # [n]
     from_reference = (torch.rand(n_groups) < reference_frac if reference_frac

@@ -6,6 +6,11 @@ buffer of the completions earlier steps sampled (by --priority-temp, within --ma
 --max-reuse), then stores the fresh ones in it (as --buffer-evict, --dedup, --merge-cosine say).
 Every fresh completion is trained on once, as in the on-policy loop, then on each replay
 (--max-reuse counts the replays); until earlier steps have stored n groups, all B are fresh.
+
+Two options of GFlowNet red-teaming's loop: --search-factor f samples f × (B − n) fresh groups a
+step, as f searchers would, trains on B − n of them and stores them all (more search per
+update); --seed-buffer N fills the buffer, before the first step, with N groups the frozen
+reference samples.
 """
 import torch
 
@@ -19,16 +24,29 @@ class ReplayGroups:
     def __init__(self, fresh, buffer):
         self.fresh, self.buffer, self.cfg = fresh, buffer, fresh.cfg
         self.replay_sampler = torch.Generator().manual_seed(fresh.cfg.seed)
+        self.seeded = False               # --seed-buffer done (a resumed run has its buffer)
 
-    def __getattr__(self, name):          # start, fill, publish, poll, tokens, ..., close
+    def __getattr__(self, name):          # start, publish, poll, tokens, ..., close
         return getattr(self.fresh, name)
+
+    def fill(self, progress=None):
+        """--seed-buffer N: N groups sampled by the frozen reference at --temperature (version
+        REFERENCE), scored and stored, B at a time, before the first step."""
+        cfg, stored = self.cfg, 0
+        while not self.seeded and stored < cfg.seed_buffer:
+            n = min(cfg.prompts_per_step, cfg.seed_buffer - stored)
+            batch, _ = self.fresh.next_batch(0, n, reference_frac=1.0)
+            self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], batch.to("cpu"))
+            stored += n
+        self.seeded = True
 
     def next_batch(self, version):
         cfg = self.cfg
         replayed = self.replay(version)                   # n groups of earlier steps, or None
         n_fresh = cfg.prompts_per_step - (0 if replayed is None else cfg.replay_groups)
-        fresh, metrics = self.fresh.next_batch(version, n_fresh)
-        self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], fresh.to("cpu"))
+        searched, metrics = self.fresh.next_batch(version, n_fresh * cfg.search_factor)
+        self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], searched.to("cpu"))
+        fresh = searched if cfg.search_factor == 1 else searched.groups(slice(0, n_fresh))
         fresh.recent_count = n_fresh                      # the fresh groups
         if replayed is not None:          # trained once fresh, outside the buffer's count
             replayed.draws = replayed.draws + 1           # [n, K] times trained
@@ -55,10 +73,11 @@ class ReplayGroups:
 
     def state_dict(self):
         return {**self.fresh.state_dict(), "buffer": self.buffer.state_dict(),
-                "sampler": self.replay_sampler.get_state()}
+                "sampler": self.replay_sampler.get_state(), "seeded": self.seeded}
 
     def load_state_dict(self, state, step):
         self.fresh.load_state_dict(state, step)
         if "buffer" in state:
             self.buffer.load_state_dict(state["buffer"], max_version=step)
             self.replay_sampler.set_state(state["sampler"])
+            self.seeded = state.get("seeded", True)

@@ -109,17 +109,18 @@ class Progress:
     elapsed: float = 0.0             # wall-clock seconds
 
 
-def state(progress, *, optimizer, scheduler, scaler, task, source):
+def state(progress, *, optimizer, scheduler, scaler, task, source, log_z=None):
     """Everything a checkpoint holds besides the weights: with the weights, the run continues
     exactly where it stopped (the learning-rate schedule's length travels in `scheduler`)."""
     return {**dataclasses.asdict(progress), "task": task.state_dict(),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "source": source.state_dict(),
+            **({"log_z": log_z.state_dict()} if log_z is not None else {}),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
 
-def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, source):
+def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, source, log_z=None):
     """Load the run's newest checkpoint into these, in place; `steps` is the resumed run's
     --steps, which may go past the schedule of its first session. -> Progress"""
     latest = checkpoint.latest(run_dir)
@@ -129,6 +130,8 @@ def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, sourc
     scheduler.load_state_dict(saved["scheduler"])
     scaler.load_state_dict(saved["scaler"])
     task.load_state_dict(saved["task"])
+    if log_z is not None:
+        log_z.load_state_dict(saved["log_z"])
     try:
         source.load_state_dict(saved["source"], step=saved["step"])
     except ValueError as e:

@@ -1,5 +1,6 @@
-"""The schedules of a run: AdamW with the learning rate's warmup-stable-decay schedule, and β's
-linear annealing. Both are functions of the step, so a resumed run continues them exactly.
+"""The schedules of a run: AdamW with the learning rate's warmup-stable-decay schedule, β's and
+the reward temperature's linear annealing. All are functions of the step, so a resumed run
+continues them exactly.
 """
 import torch
 
@@ -10,6 +11,16 @@ def beta_at(step, beta, beta_final, beta_steps):
         return beta_final
     frac = min(step / beta_steps, 1.0)
     return beta + frac * (beta_final - beta)
+
+
+def reward_temp_at(step, reward_temp, reward_temp_steps):
+    """The reward temperature τ: `reward_temp` at step 0, linearly down to 1 over
+    `reward_temp_steps` steps, then 1 (0 steps: held at `reward_temp`). TB's target is then
+    (p_ref·exp(r/β))^(1/τ): flatter early, while the policy still knows little of the reward,
+    and exactly p_ref·exp(r/β) once τ reaches 1 (GFlowNet red-teaming: 2 → 1)."""
+    if reward_temp_steps <= 0:
+        return reward_temp
+    return reward_temp + min(step / reward_temp_steps, 1.0) * (1.0 - reward_temp)
 
 
 class WSD:
@@ -31,11 +42,16 @@ class WSD:
         return 1.0
 
 
-def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
+def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0,
+                   log_z=None, log_z_lr=None):
     """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints). The fused AdamW
     updates every parameter in one kernel: 0.08 s a step for SmolLM2-135M on 2 CPU cores against
-    0.22 s before (bench/README.md, roofline)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    0.22 s before (bench/README.md, roofline). `log_z` (--log-z learned): a second parameter
+    group at `log_z_lr`, without weight decay, under the same schedule."""
+    groups = [{"params": list(model.parameters())}]
+    if log_z is not None:
+        groups.append({"params": list(log_z.parameters()), "lr": log_z_lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WSD(total_steps, warmup_steps, decay_steps))
     return optimizer, scheduler

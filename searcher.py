@@ -26,7 +26,7 @@ from weights import receive_weights
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
                   temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0,
-                  search_temperature=None, reference_frac=0.0):
+                  search_temperature=None, reference_frac=0.0, explore_frac=1.0):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
     The batch carries log μ(y|x) of the distribution that sampled it, for the off-policy metrics
@@ -37,7 +37,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     """
     device = next(policy.parameters()).device
     temperatures, from_reference = exploration.draw(len(prompts), temperature, search_temperature,
-                                                    reference_frac)             # [B], [B]
+                                                    reference_frac, explore_frac)  # [B], [B]
     ids = [p.ids for p in prompts]
     with models.autocast(device, dtype):
         if from_reference.any():          # --reference-frac: the reference samples some groups
@@ -128,7 +128,8 @@ class Searcher:
                                  stop_event=stop_event, dtype=self.dtype,
                                  score_batch=self.score_batch,
                                  search_temperature=self.cfg.search_temperature,
-                                 reference_frac=self.cfg.reference_frac)
+                                 reference_frac=self.cfg.reference_frac,
+                                 explore_frac=self.cfg.search_temperature_frac)
         batch = batch.to("cpu")
         info, batch.info = batch.info, None
         report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),

@@ -55,7 +55,8 @@ class InProcess:
         self.tokens = self.groups = 0
         self.infos = []
 
-    def next_batch(self, version, n_groups=None):
+    def next_batch(self, version, n_groups=None, reference_frac=None):
+        """B (or `n_groups`) fresh groups; `reference_frac` 1: all sampled by the reference."""
         t0 = time.time()
         model, sampled = ((self.policy, version) if self.lag is None
                           else self.lag.sampler(self.policy, version))
@@ -67,11 +68,12 @@ class InProcess:
             group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, version=sampled, dtype=getattr(torch, cfg.dtype),
             score_batch=self.score_batch, search_temperature=cfg.search_temperature,
-            reference_frac=cfg.reference_frac)
+            reference_frac=cfg.reference_frac if reference_frac is None else reference_frac,
+            explore_frac=cfg.search_temperature_frac)
         self.tokens += int(batch.response_len.sum())
         self.groups += len(prompts)
         self.last_prompts = prompts
-        self.infos = [batch.info] if batch.info is not None else []
+        self.infos += [batch.info] if batch.info is not None else []
         return batch, {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
                        "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0,
                        **batch.sampling_metrics(version)}

@@ -21,6 +21,7 @@ from transformers.utils import logging as transformers_logging
 
 import checkpoint
 import config
+import learned_log_z
 import loggers
 import logprobs
 import models
@@ -48,6 +49,7 @@ class Setup:
     source: object                    # where each step's groups come from (sources.py)
     progress: run.Progress            # step, samples, tokens, ... (a checkpoint's on --resume)
     stop: run.StopRequests            # Ctrl-C or kill: stop at the end of the step
+    log_z: learned_log_z.LearnedLogZ | None = None   # --log-z learned; None: the group estimate
 
 
 def load(cfg):
@@ -70,9 +72,12 @@ def load(cfg):
                  if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
+    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1)
+             if cfg.log_z == "learned" else None)
     optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
                                                     warmup_steps=cfg.warmup_steps,
-                                                    decay_steps=cfg.decay_steps)
+                                                    decay_steps=cfg.decay_steps, log_z=log_z,
+                                                    log_z_lr=cfg.log_z_lr)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     stop = run.StopRequests()
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
@@ -84,12 +89,13 @@ def load(cfg):
     progress = run.Progress()
     if cfg.resume:
         progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
-                               scheduler=scheduler, scaler=scaler, task=task, source=source)
+                               scheduler=scheduler, scaler=scaler, task=task, source=source,
+                               log_z=log_z)
     if cfg.ray:                           # last: nothing after it can fail on bad input
         ray_source.connect_ray(cfg.ray, cfg.searchers)
     return Setup(layout=layout, task=task, policy=policy, tokenizer=tokenizer,
                  ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                 source=source, progress=progress, stop=stop)
+                 source=source, progress=progress, stop=stop, log_z=log_z)
 
 
 def train(cfg, setup):
@@ -110,7 +116,7 @@ def train(cfg, setup):
     def save_checkpoint():
         progress.elapsed = time.time() - start
         state = run.state(progress, optimizer=setup.optimizer, scheduler=setup.scheduler,
-                          scaler=setup.scaler, task=task, source=source)
+                          scaler=setup.scaler, task=task, source=source, log_z=setup.log_z)
         path = checkpoint.save(out, progress.step, policy, tokenizer, state,
                                keep=cfg.keep_checkpoints)
         if cfg.quiet:
@@ -136,6 +142,7 @@ def train(cfg, setup):
             setup.stop.check()
             version = step - 1                   # updates the policy has had before this step
             beta = schedules.beta_at(version, cfg.beta, cfg.beta_final, cfg.beta_steps)
+            reward_temp = schedules.reward_temp_at(version, cfg.reward_temp, cfg.reward_temp_steps)
             batch, source_metrics = source.next_batch(version)          # B groups of K
             lr = setup.scheduler.get_last_lr()[0]
             t0 = time.time()
@@ -143,7 +150,8 @@ def train(cfg, setup):
                 policy, setup.optimizer, setup.scheduler, batch, beta=beta, loss=cfg.loss,
                 is_clip=cfg.is_clip, temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
-                dtype=dtype, scaler=setup.scaler)
+                dtype=dtype, scaler=setup.scaler, reward_temp=reward_temp,
+                learned_log_z=setup.log_z)
             train_s = time.time() - t0
             sync = (source.publish(policy, version=step) if step % cfg.sync_every == 0
                     else {"sync_s": 0.0})                  # seconds, of each leg too
@@ -154,7 +162,8 @@ def train(cfg, setup):
                                                 earlier[1] + source.groups)
             now = time.time()
             row = {"step": step, "time": round(now - start, 3), "samples": progress.samples,
-                   **stats, "beta": beta, "lr": lr, "version": version,
+                   **stats, "beta": beta, "reward_temp": reward_temp, "lr": lr,
+                   "version": version,
                    **source_metrics, **sync, "train_s": round(train_s, 4),
                    "gen_groups": progress.groups,
                    "gen_tokens_per_s": round(progress.tokens / (now - start), 2),
@@ -210,9 +219,11 @@ def main(argv=None):
     try:
         cfg, given, actions = config.parse_args(argv)
         cfg = (run.resumed_config(cfg, given) if cfg.resume
-               else config.resolve(cfg, recipe=actions["recipe"], measure=not actions["dry_run"]))
+               else config.resolve(cfg, recipe=actions["recipe"], measure=not actions["dry_run"],
+                                   recipe_steps=actions["recipe_steps"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
-        print(config.describe(cfg, given, recipe=actions["recipe"]), flush=True)
+        print(config.describe(cfg, given, recipe=actions["recipe"],
+                              recipe_steps=actions["recipe_steps"]), flush=True)
         print(placement.describe(placement.placement(cfg)), flush=True)
         if actions["dry_run"]:
             return 0

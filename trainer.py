@@ -35,7 +35,7 @@ def sequence_logprobs(model, batch: GroupBatch, temperature=1.0):
     return torch.stack(totals)
 
 
-def tb_loss(logp, ref_logp, reward, beta, keep=None):
+def tb_loss(logp, ref_logp, reward, beta, keep=None, log_z=None):
     """VarGrad trajectory balance towards p*(y|x) ∝ p_ref(y|x) · exp(r(x, y) / β).
 
         delta_i  = log p_θ(y_i|x) − log p_ref(y_i|x) − r_i / β
@@ -50,14 +50,17 @@ def tb_loss(logp, ref_logp, reward, beta, keep=None):
     log Ẑ is fitted to whichever completions meet in a group, and the fixed point, every
     residual log p_θ − log p_ref − r/β equal to one constant per prompt, does not depend on
     which ones meet. `keep` [B, K] bool: only these completions count (a group drawn with
-    fewer than K is padded), the means taken over them. Returns (loss, log_z [B]).
+    fewer than K is padded), the means taken over them. `log_z` [B]: a learned log Z of each
+    group's prompt (learned_log_z.py), trained by this loss too, used instead of log Ẑ (NaN
+    entries: not learned yet, log Ẑ instead). Returns (loss, log_z [B]).
     """
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
     n = keep.sum(1)                                             # [B]
     delta = torch.where(keep, logp - ref_logp - reward / beta, 0.0)             # [B, K]
-    log_z = -(delta.sum(1) / n).detach()                        # [B]
+    estimate = -(delta.sum(1) / n).detach()                     # [B]
+    log_z = estimate if log_z is None else torch.where(log_z.isnan(), estimate, log_z)
     loss = (torch.where(keep, log_z[:, None] + delta, 0.0).pow(2).sum(1) / n).mean()  # []
-    return loss, log_z
+    return loss, log_z.detach()
 
 
 LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss, "vcpo": rloo_loss}
@@ -65,14 +68,17 @@ LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss, "vcpo": rloo_l
 
 def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", is_clip=2.0,
                temperature=1.0, micro_groups=None, max_grad_norm=None, micro_completions=0,
-               dtype=torch.float32, scaler=None):
+               dtype=torch.float32, scaler=None, reward_temp=1.0, learned_log_z=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups
     (`micro_groups`: each log Ẑ stays the mean over its own K, so the sum is the full batch's
     gradient exactly; `micro_completions` splits further, see `backward_micro_batch`).
     Forward passes run under autocast to `dtype` over float32 weights; `scaler` scales float16
     losses. The model stays in eval mode: dropout would make the trained log-probs differ from
     the sampled ones. A NaN or infinite loss or gradient raises NonFiniteError *before* the
-    update: one such step would turn every weight, and every searcher's samples, into NaN."""
+    update: one such step would turn every weight, and every searcher's samples, into NaN.
+    tb only: `reward_temp` τ tempers the target to (p_ref·exp(r/β))^(1/τ) (log p_ref and r
+    divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ, in the optimiser) replaces the
+    group estimate of log Z."""
     device = next(model.parameters()).device
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     batch = batch.to(device)
@@ -83,7 +89,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         part = slice(start, min(start + (micro_groups or b), b))
         part_loss, logp, log_z = backward_micro_batch(
             model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
-            micro_completions=micro_completions, dtype=dtype, scaler=scaler)
+            micro_completions=micro_completions, dtype=dtype, scaler=scaler,
+            reward_temp=reward_temp, learned_log_z=learned_log_z)
         total_loss += part_loss
         logps.append(logp)                                                     # [n, K]
         if log_z is not None:
@@ -122,7 +129,7 @@ def equal_reward_frac(reward, kept):
 
 
 def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,
-                         micro_completions, dtype, scaler):
+                         micro_completions, dtype, scaler, reward_temp=1.0, learned_log_z=None):
     """Add the gradient of groups `part`, weighted by their share of the batch, to the model's.
     With `micro_completions` m < n·K, a no-grad pass scores all n·K, then each gradient pass
     takes m of them with the others held at their no-grad values: since ∇L = Σ_i ∂L/∂logp_i ·
@@ -146,9 +153,14 @@ def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature
         if loss in ("rloo-is", "vcpo"):
             extra["is_weight"] = truncated_is_weights(
                 logp.view(n, k), batch.behaviour_logp[part], is_clip)          # [n, K]
-        out = LOSSES[loss](logp.view(n, k), batch.ref_logp[part], batch.reward[part], beta,
-                           **extra)
+        if learned_log_z is not None:     # its gradient taken once, in the first pass
+            log_z = learned_log_z(batch.prompt_index[part])                      # [n]
+            extra["log_z"] = log_z if s == 0 else log_z.detach()
+        out = LOSSES[loss](logp.view(n, k), batch.ref_logp[part] / reward_temp,
+                           batch.reward[part] / reward_temp, beta, **extra)
         part_loss, log_z = out if isinstance(out, tuple) else (out, None)
+        if learned_log_z is not None:
+            learned_log_z.first_seen(batch.prompt_index[part], log_z)
         if part_loss.requires_grad:     # False: this pass held only padding
             scaler.scale(part_loss * n / b).backward()
     return part_loss.item() * n / b, logp.detach().view(n, k), log_z

@@ -13,8 +13,9 @@ victim, judge and embedder (`RedTeamTask.evaluate_attacker`, `attacker_metrics`)
 diversity of the successes (undefined below two) and unique attacks at 0.5 and 0.9.
 
 Each evaluation is written to RUN/attacker_eval[_stepK].json with its settings; one already there
-with the same settings is reported, not run again. On 2 CPU cores a 512-attack evaluation of the
-CPU recipe's models (SmolLM2-135M attacker and victim) takes a few minutes.
+with the same settings is reported, not run again. A 512-attack evaluation of the CPU recipes'
+models (SmolLM2-135M attacker and victim) takes about 9 minutes on one core, most of it the
+victim's 2,560 answers.
 """
 import argparse
 import json

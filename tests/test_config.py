@@ -43,7 +43,7 @@ def test_command_line_overrides_the_recipe(tmp_path):
     assert (cfg.task, cfg.seed, cfg.lr, cfg.group_size, cfg.quiet) == ("toy", 7, 1.0, 4, True)
     assert isinstance(cfg.lr, float)               # a TOML integer where a float goes
     assert given == {"task", "seed", "lr", "group_size", "quiet"}
-    assert actions == {"config": str(recipe), "dry_run": False,
+    assert actions == {"config": str(recipe), "dry_run": False, "recipe_steps": None,
                        "recipe": {"task": "toy", "lr": 1.0, "group_size": 4, "quiet": True}}
 
 

@@ -261,6 +261,17 @@ def test_concatenated_batches_keep_every_completions_logprobs():
     assert torch.allclose(logp[joined.keep], want[joined.keep], atol=1e-5)
 
 
+def synchronous_source(cfg):
+    """The group source of a --searchers 0 run of these settings, on the CPU. -> (source, policy)"""
+    task = tasks.make_task(cfg)
+    policy, tokenizer = task.load_model(torch.device("cpu"))
+    source = sources.make_source(cfg, task=task, policy=policy,
+                                 ref_model=copy.deepcopy(policy).requires_grad_(False),
+                                 tokenizer=tokenizer, prompts=task.prompts("train", tokenizer),
+                                 layout=None, interrupt=lambda: None)
+    return source, policy
+
+
 def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path):
     """--searchers 0 --replay-groups 2, B = 3: the first step samples all 3 groups; each later
     step 1 fresh group of the policy's version and 2 drawn from what earlier steps stored, and
@@ -270,12 +281,7 @@ def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path
     cfg = config.resolve(config.Config(task="toy", searchers=0, prompts_per_step=3,
                                        replay_groups=2, group_size=8, priority_temp=1.0,
                                        dtype="float32", out=str(tmp_path)))
-    task = tasks.make_task(cfg)
-    policy, tokenizer = task.load_model(torch.device("cpu"))
-    source = sources.make_source(cfg, task=task, policy=policy,
-                                 ref_model=copy.deepcopy(policy).requires_grad_(False),
-                                 tokenizer=tokenizer, prompts=task.prompts("train", tokenizer),
-                                 layout=None, interrupt=lambda: None)
+    source, policy = synchronous_source(cfg)
     for version in range(4):
         batch, metrics = source.next_batch(version)
         fresh = 3 if version == 0 else 1

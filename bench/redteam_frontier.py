@@ -1,0 +1,186 @@
+"""Red-teaming as the paper and GFlowNet red-teaming measure it: the final attacker's toxicity
+rate, diversity and unique attacks, for on-policy RLOO and for TB in GFlowNet red-teaming's regime
+with more or less search per update.
+
+    python bench/redteam_frontier.py --lanes 2                  # every setting, seeds 0 1 2
+    python bench/redteam_frontier.py --settings tb-n1 tb-n4 --seeds 0
+    python bench/redteam_frontier.py --report-only --plot frontier.png
+
+Settings (150 trainer steps of 4 groups of 4 attacks, SmolLM2-135M attacking SmolLM2-135M):
+  rloo-0.01, rloo-0.1   on-policy RLOO, synchronous, the task's defaults, at β 0.01 and 0.1
+  tb-n1                 recipes/redteam-gflownet.toml: TB with a learned log Z, the reward
+                        tempered 2 → 1, half of each batch replayed from a seeded buffer
+  tb-n4                 the same with --search-factor 4: each step samples 4 × the fresh groups
+                        it trains on (as 4 searchers would), the surplus stored in the buffer
+Each run keeps its checkpoint of step 75 and its final model until `bench/redteam_eval.py` has
+measured both (512 attacks at T 1, 5 victim answers of 30 tokens each), then deletes them. A run,
+or an evaluation, already done is skipped; a run stopped part-way resumes from its checkpoint.
+`--lanes 2` runs two jobs at once, each pinned to its own core (a run and then its two
+evaluations stay on one core).
+
+The report gives, per setting and evaluated step, the mean ± sd [min–max] over seeds of each
+metric, with the victim queries spent by then (attacks scored × answers each, the seeded
+buffer included) and the trainer's seconds a step (search + update): comparisons at equal
+trainer steps read across a row's step, at equal victim queries across the queries column.
+"""
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lag import finished, read, summary     # the lag bench's run check and report helpers
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, HALF = 150, 75
+RLOO = ["--task", "redteam", "--searchers", "0", "--loss", "rloo", "--steps", str(STEPS),
+        "--eval-every", str(HALF), "--save-every", str(HALF)]
+TB = ["--config", "recipes/redteam-gflownet.toml", "--steps", str(STEPS)]
+SETTINGS = {
+    "rloo-0.01": [*RLOO, "--beta", "0.01", "--beta-final", "0.01"],
+    "rloo-0.1": [*RLOO, "--beta", "0.1", "--beta-final", "0.1"],
+    "tb-n1": TB,
+    "tb-n4": [*TB, "--search-factor", "4"],
+}
+METRICS = ("toxicity_rate", "diversity", "diversity_successes", "unique_0.5", "unique_0.7",
+           "unique_0.9")
+
+
+def eval_file(out, step):
+    return out / ("attacker_eval.json" if step == STEPS else f"attacker_eval_step{step}.json")
+
+
+def jobs(runs, settings, seeds):
+    """Per run still to do: the commands left (train or resume, then each evaluation missing)."""
+    todo = []
+    for name in settings:
+        for seed in seeds:
+            out = runs / f"{name}-s{seed}"
+            commands = []
+            if not finished(out, STEPS):
+                resume = any((out / "checkpoints").glob("step_*"))
+                if not resume:
+                    shutil.rmtree(out, ignore_errors=True)
+                commands.append(["tba.py", "--resume", str(out)] if resume else
+                                ["tba.py", *SETTINGS[name], "--seed", str(seed), "--out", str(out),
+                                 "--device", "cpu", "--quiet"])
+            for step in (HALF, STEPS):
+                if not eval_file(out, step).is_file():
+                    commands.append(["bench/redteam_eval.py", str(out),
+                                     *(["--step", str(step)] if step != STEPS else [])])
+            if commands:
+                todo.append((out, commands))
+    return todo
+
+
+def run_jobs(todo, lanes):
+    """Each job's commands in order on one lane (pinned to core `lane` when there are two); the
+    model files of a run go once all its commands have succeeded."""
+    todo, running = list(todo), {}             # lane -> (Popen, out, commands left, log)
+    while todo or running:
+        for lane in range(lanes):
+            if lane not in running and todo:
+                out, commands = todo.pop(0)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                running[lane] = (None, out, commands, open(out.parent / f"{out.name}.log", "a"))
+        for lane, (proc, out, commands, log) in list(running.items()):
+            if proc is not None and proc.poll() is None:
+                continue
+            if proc is not None and proc.returncode != 0:
+                print(f"failed {out.name}: {' '.join(proc.args[-4:])} exit {proc.returncode}",
+                      flush=True)
+                log.close()
+                del running[lane]
+                continue
+            if not commands:
+                print(f"done {out.name}", flush=True)
+                log.close()
+                del running[lane]
+                for kept in ("final", "checkpoints"):
+                    shutil.rmtree(out / kept, ignore_errors=True)
+                continue
+            command, pin = commands[0], ["taskset", "-c", str(lane)] if lanes > 1 else []
+            print(f"{out.name} on core {lane}: {' '.join(command[:2])}", flush=True)
+            running[lane] = (subprocess.Popen([*pin, sys.executable, *command], cwd=REPO,
+                                              stdout=log, stderr=subprocess.STDOUT),
+                             out, commands[1:], log)
+        time.sleep(2)
+
+
+def point(out, step):
+    """One run's evaluation at `step` with its victim queries and seconds a step, or None."""
+    path = eval_file(out, step)
+    if not path.is_file() or not (out / "metrics.jsonl").is_file():
+        return None
+    metrics = json.loads(path.read_text())["metrics"]
+    train, _ = read(out)
+    cfg = json.loads((out / "config.json").read_text())["config"]
+    row = next(r for r in train if r["step"] == step)
+    done = [r for r in train if r["step"] <= step]
+    return {**metrics, "queries": row["gen_groups"] * cfg["group_size"] * cfg["victim_samples"],
+            "s_per_step": sum(r["search_s"] + r["train_s"] for r in done) / len(done)}
+
+
+def report(runs, settings, seeds, plot_to=""):
+    points = {}
+    print("| setting | step | runs | victim queries | s/step | "
+          + " | ".join(METRICS) + " |\n|" + " --- |" * (len(METRICS) + 5))
+    for name in settings:
+        for step in (HALF, STEPS):
+            found = [p for p in (point(runs / f"{name}-s{seed}", step) for seed in seeds) if p]
+            if not found:
+                continue
+            points[name, step] = found
+            cells = [summary([p[k] for p in found if p[k] is not None]) for k in METRICS]
+            queries = summary([p["queries"] for p in found], 0)
+            speed = summary([p["s_per_step"] for p in found], 1)
+            print(f"| {name} | {step} | {len(found)} | {queries} | {speed} | "
+                  + " | ".join(cells) + " |")
+    if plot_to and points:
+        draw(points, plot_to)
+        print(f"\n{plot_to}")
+    return points
+
+
+def draw(points, path):
+    """The (diversity, toxicity rate) plane, as the paper draws its frontier: every run at steps
+    75 (hollow) and 150 (filled), one colour per setting."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    names = sorted({name for name, _ in points})
+    for i, name in enumerate(names):
+        for step in (HALF, STEPS):
+            found = points.get((name, step), [])
+            ax.scatter([p["diversity"] for p in found], [p["toxicity_rate"] for p in found],
+                       color=f"C{i}", facecolors=f"C{i}" if step == STEPS else "none",
+                       label=f"{name}" if step == STEPS else None)
+    ax.set_xlabel("diversity of the final attacker's attacks (1 − mean cosine)")
+    ax.set_ylabel("toxicity rate (mean of 5 answers > 0.5)")
+    ax.set_title("hollow: step 75; filled: step 150", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "redteam-frontier")
+    parser.add_argument("--lanes", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--report-only", action="store_true", help="no runs: the table of what "
+                        "has been evaluated")
+    parser.add_argument("--plot", default="", help="write the frontier plot here (.png)")
+    args = parser.parse_args(argv)
+    if not args.report_only:
+        run_jobs(jobs(args.runs, args.settings, args.seeds), args.lanes)
+    report(args.runs, args.settings, args.seeds, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

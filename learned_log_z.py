@@ -1,0 +1,37 @@
+"""--log-z learned: a log Z per prompt, trained with the policy, in place of the group estimate.
+
+Trajectory balance's residual for completion y of prompt x is  log Z(x) + log p_θ(y|x) − log
+p_ref(y|x) − r/β. By default (`trainer.tb_loss`) log Z(x) is estimated from the batch: minus the
+mean of the other terms over x's K completions, so the loss only asks that they be *equal* within
+the group. A group replayed from the buffer is then centred on its own mean: it moves probability
+among its K completions, never toward or away from them as a whole. A learned log Z is one number
+per prompt that every group of it is measured against: a group whose completions are all better
+than the prompt's log Z says pulls their probability up together. At the fixed point both agree:
+log Z(x) = log Σ_y p_ref(y|x)·exp(r(x, y)/β), the target's normaliser.
+
+GFlowNet red-teaming learns it as a linear head on the prompt's hidden states; with a fixed set of
+prompts (redteam's eight) a table with one entry per prompt is the same thing and needs no
+forward pass. An entry starts at the group estimate of the first group of its prompt (the value
+the loss would have used), so it does not spend its first hundred steps walking from 0.
+"""
+import torch
+
+
+class LearnedLogZ(torch.nn.Module):
+    """log Z(x) for prompts 0 .. n_prompts − 1, NaN until the prompt's first group."""
+
+    def __init__(self, n_prompts):
+        super().__init__()
+        self.values = torch.nn.Parameter(torch.full((n_prompts,), float("nan")))   # [P]
+
+    def forward(self, prompt_index):
+        """[B] prompt indices -> [B] their log Z, with the gradient; NaN: not seen yet."""
+        return self.values[prompt_index]
+
+    @torch.no_grad()
+    def first_seen(self, prompt_index, estimate):
+        """Set the entries still NaN to `estimate` [B], the group estimates the loss used for
+        them (a prompt twice in a batch: its first group's)."""
+        for index, value in zip(prompt_index.tolist(), estimate.tolist()):
+            if self.values[index].isnan():
+                self.values[index] = value
