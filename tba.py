@@ -72,7 +72,7 @@ def load(cfg):
                  if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
-    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1)
+    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1).to(device)
              if cfg.log_z == "learned" else None)
     optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
                                                     warmup_steps=cfg.warmup_steps,
