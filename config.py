@@ -154,10 +154,12 @@ class Config:
                                      "held at --reward-temp)", at_least(0))
     log_z: str = flag("group", "--loss tb: group (log Ẑ of a prompt estimated from its K "
                                "completions in the batch, VarGrad) or learned (a log Z per "
-                               "prompt trained with the policy, at --log-z-lr; GFlowNet "
-                               "red-teaming learns it)", one_of("group", "learned"))
-    log_z_lr: float = flag(0.1, "--log-z learned: its learning rate (AdamW, the policy's "
-                                "schedule, no weight decay)", POSITIVE)
+                               "prompt trained with the policy by gradient descent at "
+                               "--log-z-lr; GFlowNet red-teaming learns it)",
+                      one_of("group", "learned"))
+    log_z_lr: float = flag(1.0, "--log-z learned: its learning rate (plain gradient descent: "
+                                "each step moves a prompt's log Z 2·lr/B of the way to its "
+                                "group's estimate; B/2: all the way)", POSITIVE)
     # the optimiser
     lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",

@@ -13,6 +13,13 @@ GFlowNet red-teaming learns it as a linear head on the prompt's hidden states; w
 prompts (redteam's eight) a table with one entry per prompt is the same thing and needs no
 forward pass. An entry starts at the group estimate of the first group of its prompt (the value
 the loss would have used), so it does not spend its first hundred steps walking from 0.
+
+It is trained by plain gradient descent on the TB loss, not with the policy's Adam: the loss's
+gradient in log Z(x) is 2/B · Σ over x's groups in the batch of their mean residual, so a step
+of learning rate lr moves log Z(x) a fraction 2·lr/B of the way to the group's estimate (lr = B/2:
+all the way, the group estimate again; lr = B/4: half-way, an average over its recent groups).
+Adam's steps of at most ~lr each could not follow the normaliser where it moves by tens of nats,
+as it does while the reward temperature anneals.
 """
 import torch
 
@@ -20,9 +27,10 @@ import torch
 class LearnedLogZ(torch.nn.Module):
     """log Z(x) for prompts 0 .. n_prompts − 1, NaN until the prompt's first group."""
 
-    def __init__(self, n_prompts):
+    def __init__(self, n_prompts, lr):
         super().__init__()
         self.values = torch.nn.Parameter(torch.full((n_prompts,), float("nan")))   # [P]
+        self.lr = lr
 
     def forward(self, prompt_index):
         """[B] prompt indices -> [B] their log Z, with the gradient; NaN: not seen yet."""
@@ -35,3 +43,11 @@ class LearnedLogZ(torch.nn.Module):
         for index, value in zip(prompt_index.tolist(), estimate.tolist()):
             if self.values[index].isnan():
                 self.values[index] = value
+
+    @torch.no_grad()
+    def step(self):
+        """One gradient-descent step on the gradient the loss left (entries of prompts not in
+        the batch have none), then forget it."""
+        if self.values.grad is not None:
+            self.values -= self.lr * self.values.grad
+            self.values.grad = None

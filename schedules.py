@@ -42,16 +42,11 @@ class WSD:
         return 1.0
 
 
-def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0,
-                   log_z=None, log_z_lr=None):
+def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
     """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints). The fused AdamW
     updates every parameter in one kernel: 0.08 s a step for SmolLM2-135M on 2 CPU cores against
-    0.22 s before (bench/README.md, roofline). `log_z` (--log-z learned): a second parameter
-    group at `log_z_lr`, without weight decay, under the same schedule."""
-    groups = [{"params": list(model.parameters())}]
-    if log_z is not None:
-        groups.append({"params": list(log_z.parameters()), "lr": log_z_lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+    0.22 s before (bench/README.md, roofline)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WSD(total_steps, warmup_steps, decay_steps))
     return optimizer, scheduler

@@ -72,12 +72,11 @@ def load(cfg):
                  if not cfg.searchers or task.eval_needs_reference else None)
     prompts = task.prompts("train", tokenizer)
     task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
-    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1).to(device)
+    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1, cfg.log_z_lr).to(device)
              if cfg.log_z == "learned" else None)
     optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
                                                     warmup_steps=cfg.warmup_steps,
-                                                    decay_steps=cfg.decay_steps, log_z=log_z,
-                                                    log_z_lr=cfg.log_z_lr)
+                                                    decay_steps=cfg.decay_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     stop = run.StopRequests()
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,

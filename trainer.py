@@ -77,13 +77,15 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     the sampled ones. A NaN or infinite loss or gradient raises NonFiniteError *before* the
     update: one such step would turn every weight, and every searcher's samples, into NaN.
     tb only: `reward_temp` τ tempers the target to (p_ref·exp(r/β))^(1/τ) (log p_ref and r
-    divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ, in the optimiser) replaces the
-    group estimate of log Z."""
+    divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ) replaces the group estimate of
+    log Z and takes its own step with the policy's."""
     device = next(model.parameters()).device
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     batch = batch.to(device)
     b = batch.reward.shape[0]
     optimizer.zero_grad(set_to_none=True)
+    if learned_log_z is not None:
+        learned_log_z.zero_grad(set_to_none=True)
     total_loss, logps, log_zs = 0.0, [], []
     for start in range(0, b, micro_groups or b):
         part = slice(start, min(start + (micro_groups or b), b))
@@ -101,6 +103,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
     grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
                              max_grad_norm=max_grad_norm, lr_scale=lr_scale)
+    if learned_log_z is not None:
+        learned_log_z.step()
     placement.release_freed_heap(device)     # the step's activations, back to the system
     return {
         "loss": total_loss,
