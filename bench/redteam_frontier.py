@@ -123,6 +123,13 @@ def point(out, step):
             "s_per_step": sum(r["search_s"] + r["train_s"] for r in done) / len(done)}
 
 
+def cell(values, digits=3):
+    """One run: its value; more: mean ± sd [min–max] (n)."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return summary(values, digits)
+
+
 def report(runs, settings, seeds, plot_to=""):
     points = {}
     print("| setting | step | runs | victim queries | s/step | "
@@ -133,9 +140,9 @@ def report(runs, settings, seeds, plot_to=""):
             if not found:
                 continue
             points[name, step] = found
-            cells = [summary([p[k] for p in found if p[k] is not None]) for k in METRICS]
-            queries = summary([p["queries"] for p in found], 0)
-            speed = summary([p["s_per_step"] for p in found], 1)
+            cells = [cell([p[k] for p in found if p[k] is not None]) for k in METRICS]
+            queries = cell([p["queries"] for p in found], 0)
+            speed = cell([p["s_per_step"] for p in found], 1)
             print(f"| {name} | {step} | {len(found)} | {queries} | {speed} | "
                   + " | ".join(cells) + " |")
     if plot_to and points:
