@@ -18,6 +18,11 @@ or an evaluation, already done is skipped; a run stopped part-way resumes from i
 `--lanes 2` runs two jobs at once, each pinned to its own core (a run and then its two
 evaluations stay on one core).
 
+Every evaluated point (setting, seed, step, the commit, the metrics, victim queries, seconds a
+step) is kept in bench/results/redteam_frontier.jsonl, which git tracks: the run folders are
+large and local, so seeds measured in different sittings meet in that file, and the report and
+the plot are drawn from it alone.
+
 The report gives, per setting and evaluated step, the mean ± sd [min–max] over seeds of each
 metric, with the victim queries spent by then (attacks scored × answers each, the seeded
 buffer included) and the trainer's seconds a step (search + update): comparisons at equal
@@ -34,6 +39,7 @@ from pathlib import Path
 from lag import finished, read, summary     # the lag bench's run check and report helpers
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "redteam_frontier.jsonl"
 STEPS, HALF = 150, 75
 RLOO = ["--task", "redteam", "--searchers", "0", "--loss", "rloo", "--steps", str(STEPS),
         "--eval-every", str(HALF), "--save-every", str(HALF)]
@@ -52,12 +58,15 @@ def eval_file(out, step):
     return out / ("attacker_eval.json" if step == STEPS else f"attacker_eval_step{step}.json")
 
 
-def jobs(runs, settings, seeds):
-    """Per run still to do: the commands left (train or resume, then each evaluation missing)."""
-    todo = []
+def jobs(runs, settings, seeds, results=RESULTS):
+    """Per run still to do: the commands left (train or resume, then each evaluation missing).
+    A run whose two points are in the results file is done, wherever it ran."""
+    todo, recorded = [], load(results)
     for name in settings:
         for seed in seeds:
             out = runs / f"{name}-s{seed}"
+            if all((name, seed, step) in recorded for step in (HALF, STEPS)):
+                continue
             commands = []
             if not finished(out, STEPS):
                 resume = any((out / "checkpoints").glob("step_*"))
@@ -75,7 +84,7 @@ def jobs(runs, settings, seeds):
     return todo
 
 
-def run_jobs(todo, lanes):
+def run_jobs(todo, lanes, results=RESULTS):
     """Each job's commands in order on one lane (pinned to core `lane` when there are two); the
     model files of a run go once all its commands have succeeded."""
     todo, running = list(todo), {}             # lane -> (Popen, out, commands left, log)
@@ -98,6 +107,7 @@ def run_jobs(todo, lanes):
                 print(f"done {out.name}", flush=True)
                 log.close()
                 del running[lane]
+                record(out, results)
                 for kept in ("final", "checkpoints"):
                     shutil.rmtree(out / kept, ignore_errors=True)
                 continue
@@ -123,24 +133,54 @@ def point(out, step):
             "s_per_step": sum(r["search_s"] + r["train_s"] for r in done) / len(done)}
 
 
+def commit():
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+def load(results):
+    """{(setting, seed, step): point} of the results file."""
+    if not results.is_file():
+        return {}
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return {(r["setting"], r["seed"], r["step"]): r for r in rows}
+
+
+def record(out, results):
+    """Add (or replace) the evaluated points of run folder `out` (named SETTING-sSEED) in the
+    results file."""
+    setting, seed = out.name.rsplit("-s", 1)
+    rows, now = load(results), commit()
+    for step in (HALF, STEPS):
+        found, key = point(out, step), (setting, int(seed), step)
+        kept = rows.get(key, {})
+        if found and any(kept.get(k) != v for k, v in found.items()):  # new, or measured again
+            rows[key] = {"setting": setting, "seed": int(seed), "step": step, "commit": now,
+                         **found}
+    if rows:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text("".join(json.dumps(r) + "\n" for _, r in sorted(rows.items())))
+
+
 def cell(values, digits=3):
     """One run: its value; more: mean ± sd [min–max] (n)."""
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
+        return str(values[0]) if isinstance(values[0], int) else f"{values[0]:.{digits}f}"
     return summary(values, digits)
 
 
-def report(runs, settings, seeds, plot_to=""):
-    points = {}
+def report(results, settings, seeds, plot_to=""):
+    points, rows = {}, load(results)
     print("| setting | step | runs | victim queries | s/step | "
           + " | ".join(METRICS) + " |\n|" + " --- |" * (len(METRICS) + 5))
     for name in settings:
         for step in (HALF, STEPS):
-            found = [p for p in (point(runs / f"{name}-s{seed}", step) for seed in seeds) if p]
+            found = [rows[name, seed, step] for seed in seeds if (name, seed, step) in rows]
             if not found:
                 continue
             points[name, step] = found
-            cells = [cell([p[k] for p in found if p[k] is not None]) for k in METRICS]
+            cells = [cell([p[k] for p in found if p[k] is not None], 1 if "unique" in k else 3)
+                     for k in METRICS]
             queries = cell([p["queries"] for p in found], 0)
             speed = cell([p["s_per_step"] for p in found], 1)
             print(f"| {name} | {step} | {len(found)} | {queries} | {speed} | "
@@ -178,14 +218,21 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "redteam-frontier")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the evaluated points, "
+                        "kept across sittings (see above)")
     parser.add_argument("--lanes", type=int, default=1, choices=[1, 2])
     parser.add_argument("--report-only", action="store_true", help="no runs: the table of what "
-                        "has been evaluated")
+                        "has been evaluated (local runs' points recorded first)")
     parser.add_argument("--plot", default="", help="write the frontier plot here (.png)")
     args = parser.parse_args(argv)
     if not args.report_only:
-        run_jobs(jobs(args.runs, args.settings, args.seeds), args.lanes)
-    report(args.runs, args.settings, args.seeds, args.plot)
+        run_jobs(jobs(args.runs, args.settings, args.seeds, args.results), args.lanes,
+                 args.results)
+    for name in args.settings:              # runs evaluated here before the file existed
+        for seed in args.seeds:
+            if (args.runs / f"{name}-s{seed}" / "metrics.jsonl").is_file():
+                record(args.runs / f"{name}-s{seed}", args.results)
+    report(args.results, args.settings, args.seeds, args.plot)
     return 0
 
 

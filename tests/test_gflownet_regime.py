@@ -2,6 +2,7 @@
 learned log Z, half the groups at a drawn temperature, more search per update, the seeded buffer.
 Each checked against its math or its count."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,7 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
                    "unique_0.5": 1, "unique_0.7": 2, "unique_0.9": 3}
         for step in (bench.HALF, bench.STEPS)[:2 if out == done else 1]:
             bench.eval_file(out, step).write_text(json.dumps({"metrics": metrics}))
-    todo = dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2]))
+    todo = dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2], tmp_path / "none.jsonl"))
     assert done not in todo
     assert todo[half] == [["bench/redteam_eval.py", str(half)]]
     assert [c[0] for c in todo[new]] == ["tba.py", "bench/redteam_eval.py",
@@ -180,3 +181,13 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
     point = bench.point(done, bench.HALF)
     assert point["queries"] == (40 + 2 * bench.HALF) * 4 * 2 and point["s_per_step"] == 3.0
     assert bench.point(half, bench.STEPS) is None
+    results = tmp_path / "results.jsonl"               # what survives the run folders
+    for out in (done, half, done):
+        bench.record(out, results)
+    rows = bench.load(results)
+    assert sorted(rows) == [("tb-n1", 0, 75), ("tb-n1", 0, 150), ("tb-n1", 1, 75)]
+    assert rows["tb-n1", 0, 75]["queries"] == point["queries"] and rows["tb-n1", 0, 75]["commit"]
+    points = bench.report(results, ["tb-n1"], [0, 1, 2])
+    shutil.rmtree(done)                                # measured elsewhere: nothing left to do
+    assert done not in dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2], results))
+    assert len(points["tb-n1", bench.HALF]) == 2 and len(points["tb-n1", bench.STEPS]) == 1
