@@ -120,22 +120,20 @@ def run_jobs(todo, lanes, results=RESULTS):
 
 
 def point(out, step):
-    """One run's evaluation at `step` with its victim queries and seconds a step, or None."""
+    """One run's evaluation at `step` with its victim queries, seconds a step and the commit it
+    trained on, or None."""
     path = eval_file(out, step)
     if not path.is_file() or not (out / "metrics.jsonl").is_file():
         return None
     metrics = json.loads(path.read_text())["metrics"]
     train, _ = read(out)
-    cfg = json.loads((out / "config.json").read_text())["config"]
+    record = json.loads((out / "config.json").read_text())
+    cfg = record["config"]
     row = next(r for r in train if r["step"] == step)
     done = [r for r in train if r["step"] <= step]
     return {**metrics, "queries": row["gen_groups"] * cfg["group_size"] * cfg["victim_samples"],
-            "s_per_step": sum(r["search_s"] + r["train_s"] for r in done) / len(done)}
-
-
-def commit():
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip() or "unknown"
+            "s_per_step": sum(r["search_s"] + r["train_s"] for r in done) / len(done),
+            "commit": record.get("versions", {}).get("tba") or "unknown"}
 
 
 def load(results):
@@ -150,13 +148,12 @@ def record(out, results):
     """Add (or replace) the evaluated points of run folder `out` (named SETTING-sSEED) in the
     results file."""
     setting, seed = out.name.rsplit("-s", 1)
-    rows, now = load(results), commit()
+    rows = load(results)
     for step in (HALF, STEPS):
         found, key = point(out, step), (setting, int(seed), step)
         kept = rows.get(key, {})
         if found and any(kept.get(k) != v for k, v in found.items()):  # new, or measured again
-            rows[key] = {"setting": setting, "seed": int(seed), "step": step, "commit": now,
-                         **found}
+            rows[key] = {"setting": setting, "seed": int(seed), "step": step, **found}
     if rows:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text("".join(json.dumps(r) + "\n" for _, r in sorted(rows.items())))

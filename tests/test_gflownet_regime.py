@@ -168,7 +168,8 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
         rows += [{"step": bench.STEPS, "eval/n": 32}]
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "config.json").write_text(json.dumps({"config": {"group_size": 4,
-                                                               "victim_samples": 2}}))
+                                                               "victim_samples": 2},
+                                                    "versions": {"tba": "abc1234"}}))
         metrics = {"toxicity_rate": 0.5, "diversity": 0.6, "diversity_successes": None,
                    "unique_0.5": 1, "unique_0.7": 2, "unique_0.9": 3}
         for step in (bench.HALF, bench.STEPS)[:2 if out == done else 1]:
@@ -186,7 +187,7 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
         bench.record(out, results)
     rows = bench.load(results)
     assert sorted(rows) == [("tb-n1", 0, 75), ("tb-n1", 0, 150), ("tb-n1", 1, 75)]
-    assert rows["tb-n1", 0, 75]["queries"] == point["queries"] and rows["tb-n1", 0, 75]["commit"]
+    assert rows["tb-n1", 0, 75]["queries"] == point["queries"] and rows["tb-n1", 0, 75]["commit"] == "abc1234"
     points = bench.report(results, ["tb-n1"], [0, 1, 2])
     shutil.rmtree(done)                                # measured elsewhere: nothing left to do
     assert done not in dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2], results))
