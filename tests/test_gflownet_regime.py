@@ -187,7 +187,8 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
         bench.record(out, results)
     rows = bench.load(results)
     assert sorted(rows) == [("tb-n1", 0, 75), ("tb-n1", 0, 150), ("tb-n1", 1, 75)]
-    assert rows["tb-n1", 0, 75]["queries"] == point["queries"] and rows["tb-n1", 0, 75]["commit"] == "abc1234"
+    assert rows["tb-n1", 0, 75]["queries"] == point["queries"]
+    assert rows["tb-n1", 0, 75]["commit"] == "abc1234"           # the commit its run trained on
     points = bench.report(results, ["tb-n1"], [0, 1, 2])
     shutil.rmtree(done)                                # measured elsewhere: nothing left to do
     assert done not in dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2], results))
