@@ -33,10 +33,26 @@ class GroupBatch:
     recent_count: int = 0       # how many of the B groups were drawn from the newest-version pool
     info: object = None         # fresh from a search (never in the buffer): the task's `score` info
 
-    def to(self, device) -> "GroupBatch":
+    def to(self, device, non_blocking=False) -> "GroupBatch":
+        """The batch on `device`. `non_blocking` from the CPU to a GPU: each tensor is copied
+        into page-locked memory first, so the copy to the GPU runs without the host waiting."""
+        pin = non_blocking and torch.device(device).type == "cuda"
+
+        def moved(v):
+            if pin and v.device.type == "cpu":
+                v = v.pin_memory()
+            return v.to(device, non_blocking=non_blocking)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return GroupBatch(**{name: v.to(device) if isinstance(v, torch.Tensor) else v
+        return GroupBatch(**{name: moved(v) if isinstance(v, torch.Tensor) else v
                              for name, v in values.items()})
+
+    def host_lengths(self):
+        """What decides the shapes of the passes over this batch, as Python ints, read in one
+        transfer (free when the batch is on the CPU): each completion's length, 0 where it is
+        not kept, and each prompt's length.                          -> ([B][K] list, [B] list)"""
+        lengths = torch.cat([torch.where(self.kept(), self.response_len, 0),       # [B, K]
+                             self.prompt_mask.sum(1, keepdim=True)], 1).tolist()   # [B, K + 1]
+        return [row[:-1] for row in lengths], [row[-1] for row in lengths]
 
     def groups(self, rows) -> "GroupBatch":
         """The groups at `rows` (a slice or [n] indices) as a batch of their own, without the

@@ -168,7 +168,9 @@ class Config:
                                   "the run's first --steps, so a resumed run that goes on past "
                                   f"them continues at the decayed rate {TASK_DEFAULT}", at_least(0))
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
-                                   f"bounds the trainer's memory (0: all at once) {TASK_DEFAULT}",
+                                   "bounds the trainer's memory (0: all at once, on a GPU as "
+                                   "many as its memory holds: trainer.groups_per_pass) "
+                                   "(default: the task's choice on a CPU, 0 on a GPU)",
                              at_least(0))
     micro_completions: int = flag(0, "at most this many completions per gradient pass, splitting a "
                                      "group when needed: a no-grad pass scores the whole group "
@@ -191,6 +193,11 @@ class Config:
                         "cluster on this machine, 'auto' joins the one `ray start` made, "
                         "HOST:PORT or ray://HOST:PORT another; the trainer stays here "
                         "(pip install 'ray==2.60.0')", bare="local")
+    search_batch: int = flag(0, "prompts a searcher generates for in one call (0: B, "
+                                "--prompts-per-step): more rows a decode step cost a GPU little "
+                                "more time while it is bound by the host, so a searcher may "
+                                "search for several steps at once; searcher processes only",
+                             at_least(0))
     sync_every: int = flag(None, f"k: publish the trainer's weights every k steps {TASK_DEFAULT}",
                            at_least(1))
     recent_frac: float = flag(None, "m: each sampled group comes from the newest weights in the "
@@ -401,6 +408,10 @@ def check_combination(cfg):
         raise ValueError(f"--replay-groups {cfg.replay_groups} replays in the synchronous loop, "
                          f"but --searchers {cfg.searchers} already trains from a replay buffer: "
                          "set its share of fresh groups with --recent-frac, or use --searchers 0")
+    if cfg.search_batch and not cfg.searchers:
+        raise ValueError(f"--search-batch {cfg.search_batch} sizes a searcher process's calls, "
+                         "and --searchers 0 samples each step's B groups itself: drop it, or "
+                         "use --searchers 1 or more")
     if cfg.replay_groups >= cfg.prompts_per_step:
         raise ValueError(f"--replay-groups {cfg.replay_groups} leaves no fresh group of the "
                          f"--prompts-per-step {cfg.prompts_per_step}: use fewer")
@@ -539,6 +550,8 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
     elif cfg.device.startswith("cuda") and placement.gpu_count():
         cfg.device = placement.indexed(cfg.device)      # cuda -> cuda:0
     gpu = cfg.device.startswith("cuda") and placement.gpu_count() > 0
+    if gpu and "micro_groups" in from_task:        # a pass per group costs a GPU host time
+        cfg.micro_groups = 0
     if cfg.dtype == "auto" and (gpu or measure):   # bfloat16 where it is native and faster
         cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
                      or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")

@@ -58,7 +58,7 @@ def cache_of(layers):
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_len, owner,
-                        temperature=1.0, chunk_size=64):
+                        temperature=1.0, chunk_size=64, widths=None):
     """Sum of log p(token) over the response tokens of m completions, completion i continuing
     prompt owner[i]; each prompt is computed once however many completions continue it.  -> [m]
 
@@ -77,10 +77,14 @@ def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_l
     backward (SmolLM2 has 49,152 logits per token against 576 hidden values): no [m, R, vocab]
     tensor ever exists. The log-probs are float32 whatever the model's dtype. This needs the
     output layer to be a plain map of the last hidden state (`check_logprobs`).
+
+    `widths` (prompt width, response width), ints known on the host (`GroupBatch.host_lengths`):
+    the columns to keep; None: read from the tensors (two host syncs on a GPU).
     """
-    r = int(response_len.max())                      # columns of padding only are dropped
+    if widths is None:
+        widths = int(prompt_mask.sum(-1).max()), int(response_len.max())
+    width, r = widths              # columns of padding only, in prompts and responses, dropped
     response_ids = response_ids[:, :r]                                         # [m, R']
-    width = int(prompt_mask.sum(-1).max())           # as are the prompts' padding-only columns
     prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]  # [n, P']
     layers = [PromptRecorder() for _ in range(model.config.num_hidden_layers)]
     prompt = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
@@ -109,27 +113,43 @@ def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_l
 
 
 def group_logprobs(model, batch: GroupBatch, temperature=1.0, groups=slice(None),
-                   completions=slice(None)):
+                   completions=slice(None), lengths=None):
     """`completion_logprobs` of a GroupBatch's groups `groups`, or of the slice `completions` of
     their completions taken group by group (group 0's K, group 1's K, ...), each prompt computed
     once. Only the completions in `batch.keep` are computed (a group drawn short is padded):
-    the others get 0 and cost nothing.
+    the others get 0 and cost nothing. Which ones those are, and how wide the kept prompts and
+    responses are, is decided on the host from `lengths` (`batch.host_lengths()`, which costs
+    one transfer from a GPU when not given), so that nothing here waits for the device.
     -> [n·K], or [m] for a slice: `.view(n, K)` recovers the groups of a whole batch"""
+    response_len, prompt_len = lengths or batch.host_lengths()     # [B][K], [B] lists of ints
     response_ids = batch.response_ids[groups]                                  # [n, K, R]
     n, k, _ = response_ids.shape
-    owner = torch.arange(n, device=response_ids.device).repeat_interleave(k)[completions]  # [m]
-    kept = batch.kept()[groups].flatten()[completions]                         # [m]
-    if not kept.any():
-        return torch.zeros(len(owner), device=response_ids.device)
-    first, last = int(owner[kept][0]), int(owner[kept][-1]) + 1  # the prompts it continues
+    device = response_ids.device
+    owners = [g for g in range(n) for _ in range(k)][completions]              # m, on the host
+    lens = [n_tokens for row in response_len[groups] for n_tokens in row][completions]
+    kept = [i for i, n_tokens in enumerate(lens) if n_tokens]     # a padded slot has length 0
+    if not kept:
+        return torch.zeros(len(owners), device=device)
+    first, last = owners[kept[0]], owners[kept[-1]] + 1           # the prompts it continues
+    widths = (max(prompt_len[groups][first:last]), max(lens[i] for i in kept))
+    owner = torch.arange(n, device=device).repeat_interleave(k)[completions]  # [m]
+    chosen = slice(None) if len(kept) == len(owners) else index_on(kept, device)
     logp = completion_logprobs(
         model, batch.prompt_ids[groups][first:last], batch.prompt_mask[groups][first:last],
-        response_ids.flatten(0, 1)[completions][kept],
-        batch.response_len[groups].flatten()[completions][kept], owner[kept] - first,
-        temperature)                                                           # [kept]
-    if kept.all():
+        response_ids.flatten(0, 1)[completions][chosen],
+        batch.response_len[groups].flatten()[completions][chosen], owner[chosen] - first,
+        temperature, widths=widths)                                            # [kept]
+    if len(kept) == len(owners):
         return logp
-    return torch.zeros(len(owner), device=logp.device).masked_scatter(kept, logp)   # [m]
+    return torch.zeros(len(owners), device=device, dtype=logp.dtype).index_copy(0, chosen, logp)
+
+
+def index_on(indices, device):
+    """A list of ints as an index tensor on `device`, copied without making the host wait."""
+    index = torch.tensor(indices, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def check_logprobs(model):

@@ -43,15 +43,23 @@ def off_policy_metrics(logp, behaviour_logp, keep=None):
     as a fraction of the completions, ESS/N = (Σw)² / (N·Σw²), 1 when on-policy. Completions
     without a recorded log μ (NaN), or not kept, are left out.
     logp, behaviour_logp: [B, K]; keep: [B, K] bool or None                      -> dict"""
-    log_ratio = (logp.detach() - behaviour_logp).flatten()                      # [B·K]
-    counted = ~log_ratio.isnan() & (True if keep is None else keep.flatten())   # [B·K]
-    log_ratio = log_ratio[counted]                                              # [N]
-    if not log_ratio.numel():
-        return {}
+    stats = off_policy_stats(logp, behaviour_logp, keep)
+    values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))      # one transfer
+    return values if not math.isnan(values["ess_frac"]) else {}
+
+
+def off_policy_stats(logp, behaviour_logp, keep=None):
+    """`off_policy_metrics` as 0-dim tensors, NaN where no completion counts, computed with
+    masks rather than by selecting the counted ones: no value is read on the host, so the trainer
+    gathers these with its other statistics in one transfer.                -> dict of tensors"""
+    log_ratio = logp.detach() - behaviour_logp                                  # [B, K]
+    counted = ~log_ratio.isnan() & (True if keep is None else keep)             # [B, K]
+    n = counted.sum()                                                           # []
     # (Σw)² / Σw² in logs, so that large ratios do not overflow
-    log_ess = 2 * log_ratio.logsumexp(0) - (2 * log_ratio).logsumexp(0)
-    return {"log_ratio_mean": log_ratio.mean().item(),
-            "ess_frac": (log_ess.exp() / log_ratio.numel()).item()}
+    log_ess = (2 * torch.where(counted, log_ratio, -math.inf).logsumexp((0, 1))
+               - torch.where(counted, 2 * log_ratio, -math.inf).logsumexp((0, 1)))
+    return {"log_ratio_mean": torch.where(counted, log_ratio, 0.0).sum() / n,   # NaN if n = 0
+            "ess_frac": log_ess.exp() / n}
 
 
 def ess_step_scale(off_policy):

@@ -1,13 +1,19 @@
 """Sampling: K completions per prompt with HF `generate`, and the log-probs of the distribution
 that sampled them (`SampleAt`, at no extra forward pass)."""
+import os
+import shutil
+import sys
+import types
+
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+from transformers import (GenerationConfig, StaticCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList)
 
 
-def left_pad(sequences, pad_id):
-    """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them."""
-    width = max(map(len, sequences))
+def left_pad(sequences, pad_id, multiple=1):
+    """Token lists -> ids, mask: [B, P], padded on the left so that generation continues them;
+    P the longest rounded up to a `multiple`."""
+    width = -(-max(map(len, sequences)) // multiple) * multiple
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
@@ -35,8 +41,9 @@ class SampleAt(LogitsProcessor):
     is left at 1), recording log μ of every sampled token under the distribution that really
     drew it (these weights, this temperature, generation's own cache and precision). HF calls a
     processor with step t's logits *before* step t's token is drawn: each call keeps its
-    log-softmax (`undrawn_logp`) and scores it at the next call with the token drawn from it;
-    `token_logp(new_ids)`, after `generate`, scores the last. `record` False: scaling only."""
+    log-softmax (`undrawn_logp`, the one [N, V] tensor held, replaced every step) and scores it
+    at the next call with the token drawn from it; `token_logp(new_ids)`, after `generate`,
+    scores the last. `record` False: scaling only."""
 
     def __init__(self, temperature, record=True):
         self.temperature, self.record = temperature, record
@@ -57,9 +64,71 @@ class SampleAt(LogitsProcessor):
         return torch.cat([*self.drawn_logp, last], dim=1)                      # [N, R]
 
 
+# How `generate` keeps the keys and values of the tokens so far (`cache=`):
+PREFIX = "prefix"    # HF's DynamicCache, each prompt prefilled once and shared by its samples:
+                     # the fewest FLOPs, the fastest on a CPU
+STATIC = "static"    # HF's StaticCache, every shape fixed for the call, so that on a GPU
+                     # transformers compiles the decoding forward and replays it as a CUDA graph:
+                     # a small model's step is then bound by the card, not by the host
+PROMPT_BUCKET = 64   # static: prompts left-padded to a multiple of this, so that a run's calls
+                     # share a few compiled shapes instead of compiling one per prompt width
+
+
+def static_cache(model, batch_size, max_cache_len):
+    """transformers' StaticCache for this call's shape, kept on the model and reset between calls
+    of the same shape: its tensors keep their addresses, so that the CUDA graphs captured for
+    them replay rather than being captured again. Keys and values each keep the dtype they come
+    in: under autocast RoPE leaves the keys in float32 while the values are bfloat16, and
+    transformers' static layer would store both in the keys' dtype."""
+    shape = (batch_size, max_cache_len)
+    kept = getattr(model, "_tba_static_cache", None)
+    if kept is not None and kept[0] == shape:
+        kept[1].reset()
+        return kept[1]
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.lazy_initialization = types.MethodType(own_dtypes(type(layer).lazy_initialization),
+                                                     layer)
+    model._tba_static_cache = (shape, cache)
+    return cache
+
+
+def own_dtypes(lazy_initialization):
+    """A static layer's first update: its values stored in the values' own dtype."""
+    def initialize(layer, key_states, value_states):
+        lazy_initialization(layer, key_states, value_states)
+        if layer.values.dtype != value_states.dtype:
+            layer.values = torch.zeros_like(layer.values, dtype=value_states.dtype)
+            torch._dynamo.mark_static_address(layer.values)
+    return initialize
+
+
+def default_cache(device):
+    """STATIC where transformers compiles it (a CUDA GPU with a usable compiler), else PREFIX."""
+    return STATIC if torch.device(device).type == "cuda" and compile_works() else PREFIX
+
+
+_COMPILE_CHECKED = {}
+
+
+def compile_works():
+    """Can torch.compile build CUDA graphs here? It needs torch ≥ 2.6 and a C compiler (Triton
+    builds its launchers with one). If not, say so once and decode eagerly."""
+    if "ok" not in _COMPILE_CHECKED:
+        version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        reason = ("torch < 2.6" if version < (2, 6) else
+                  "no C compiler (cc, gcc or $CC)" if not compiler else None)
+        if reason:
+            print(f"tba: decoding eagerly on the GPU: {reason}, which torch.compile needs",
+                  file=sys.stderr, flush=True)
+        _COMPILE_CHECKED["ok"] = reason is None
+    return _COMPILE_CHECKED["ok"]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, temperature=1.0,
-             greedy=False, stop_event=None, with_logprobs=False):
+             greedy=False, stop_event=None, with_logprobs=False, cache=None):
     """Sample `num_samples` completions for each prompt with HF `generate`: pure sampling at
     `temperature` (a number, or [B]: one per prompt), every other logits processor off, since
     the trainer scores completions with exactly that distribution.
@@ -68,33 +137,44 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     as SmolLM2 pads with its EOS), and with `with_logprobs` log μ(y|x) [B, n] summed over each
     response. A set `stop_event` ends generation after the current token.
 
-    Each prompt's keys and values are computed once, not once per sample: all but its last token
-    are prefilled and the cache repeated `num_samples`-fold; the random draws are those of the
-    prompts repeated first, so a seed gives the same tokens (tests/test_models.py)."""
+    `cache` (default: `default_cache(device)`): PREFIX computes each prompt's keys and values
+    once, not once per sample: all but its last token are prefilled and the cache repeated
+    `num_samples`-fold; the random draws are those of the prompts repeated first, so a seed
+    gives the same tokens (tests/test_models.py). STATIC prefills every sample's copy of its
+    prompt into a cache of fixed size, prompts padded to a multiple of PROMPT_BUCKET, and on a
+    CUDA GPU transformers compiles the decoding step (compiled only there: on a CPU it runs
+    eagerly unless `model.generation_config.compile_config` asks otherwise). Both sample the
+    same distribution, the one the trainer scores (tests/test_models.py)."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                   # [B, P]
+    cache = cache or default_cache(device)
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id,
+                         multiple=PROMPT_BUCKET if cache == STATIC else 1)     # [B, P]
     ids, mask = ids.to(device), mask.to(device)
     b, p = ids.shape
-    cache = None
-    if num_samples > 1 and p > 1:
-        cache = model.base_model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
-                                 position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
-                                 use_cache=True).past_key_values               # [B, ·, P-1, ·]
-        cache.batch_repeat_interleave(num_samples)                             # [B·n, ·, P-1, ·]
+    past = None
+    if cache == PREFIX and num_samples > 1 and p > 1:
+        past = model.base_model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+                                position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+                                use_cache=True).past_key_values                # [B, ·, P-1, ·]
+        past.batch_repeat_interleave(num_samples)                              # [B·n, ·, P-1, ·]
     eos = eos_ids(model, tokenizer)
+    static = {}
+    if cache == STATIC:
+        past = static_cache(model, b * num_samples, p + max_new_tokens)
+        static = dict(disable_compile=torch.device(device).type == "cuda" and not compile_works())
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
         # Greedy: top_k at transformers' own default, which greedy search ignores; left unset it
         # would come from the model's config (0), which transformers warns about on every call.
-        eos_token_id=eos, **(dict(top_k=50) if greedy
-                             else dict(temperature=1.0, top_k=0, top_p=1.0)))
+        eos_token_id=eos, **static, **(dict(top_k=50) if greedy
+                                       else dict(temperature=1.0, top_k=0, top_p=1.0)))
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
     if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
         temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]
     sampler = SampleAt(temperature, record=with_logprobs)
     out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
                          attention_mask=mask.repeat_interleave(num_samples, 0),
-                         past_key_values=cache, generation_config=config,
+                         past_key_values=past, generation_config=config,
                          stopping_criteria=stopping,
                          logits_processor=LogitsProcessorList([] if greedy else [sampler]))
     response_ids = out[:, p:].reshape(b, num_samples, -1)                      # [B, n, R]

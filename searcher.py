@@ -115,7 +115,7 @@ class Searcher:
         # Each searcher draws from its own shard; with fewer prompts than searchers, from all.
         shard = (train_prompts[self.rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
                  else train_prompts)
-        self.batches = tasks.prompt_batches(shard, cfg.prompts_per_step, seed)
+        self.batches = tasks.prompt_batches(shard, cfg.search_batch or cfg.prompts_per_step, seed)
 
     def search(self, version, stop_event=None):
         """One batch of groups from the current weights. -> (prompt ids, GroupBatch on the CPU,

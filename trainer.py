@@ -15,7 +15,7 @@ import placement
 from batch import GroupBatch
 from errors import NonFiniteError
 from logprobs import group_logprobs
-from rloo import ess_step_scale, off_policy_metrics, rloo_loss, truncated_is_weights
+from rloo import ess_step_scale, off_policy_stats, rloo_loss, truncated_is_weights
 
 
 def sequence_logprobs(model, batch: GroupBatch, temperature=1.0):
@@ -78,79 +78,151 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     update: one such step would turn every weight, and every searcher's samples, into NaN.
     tb only: `reward_temp` τ tempers the target to (p_ref·exp(r/β))^(1/τ) (log p_ref and r
     divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ) replaces the group estimate of
-    log Z and takes its own step with the policy's."""
+    log Z and takes its own step with the policy's.
+
+    Host work is what a small model on a GPU waits for, so the step reads the device once: the
+    shapes of every pass are decided from the batch's lengths before it moves (`host_lengths`),
+    the batch moves without blocking, one autocast context spans the step (each weight is cast
+    once, not once a pass), and every statistic, the loss and the gradient norm come back
+    together in one transfer, before the update (bench/overhead.py counts it)."""
     device = next(model.parameters()).device
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
-    batch = batch.to(device)
+    micro_groups = micro_groups or groups_per_pass(model, optimizer, batch, dtype)
+    lengths = batch.host_lengths()                 # on the host already, or one transfer
+    batch = batch.to(device, non_blocking=True)
     b = batch.reward.shape[0]
     optimizer.zero_grad(set_to_none=True)
     if learned_log_z is not None:
         learned_log_z.zero_grad(set_to_none=True)
     total_loss, logps, log_zs = 0.0, [], []
-    for start in range(0, b, micro_groups or b):
-        part = slice(start, min(start + (micro_groups or b), b))
-        part_loss, logp, log_z = backward_micro_batch(
-            model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
-            micro_completions=micro_completions, dtype=dtype, scaler=scaler,
-            reward_temp=reward_temp, learned_log_z=learned_log_z)
-        total_loss += part_loss
-        logps.append(logp)                                                     # [n, K]
-        if log_z is not None:
-            log_zs.append(log_z)                                               # [n]
+    with models.autocast(device, dtype):           # forward passes only: see backward_micro_batch
+        for start in range(0, b, micro_groups or b):
+            part = slice(start, min(start + (micro_groups or b), b))
+            part_loss, logp, log_z = backward_micro_batch(
+                model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
+                micro_completions=micro_completions, dtype=dtype, scaler=scaler,
+                reward_temp=reward_temp, learned_log_z=learned_log_z, lengths=lengths)
+            total_loss = total_loss + part_loss                                # []
+            logps.append(logp)                                                 # [n, K]
+            if log_z is not None:
+                log_zs.append(log_z)                                           # [n]
     logp, kept = torch.cat(logps), batch.kept()                                # [B, K], [B, K]
-    off_policy = (off_policy_metrics(logp, batch.behaviour_logp, batch.keep)
-                  if batch.behaviour_logp is not None else {})
+    stats = step_stats(logp, batch, kept)                                      # 0-dim tensors
+    if log_zs:                                                                 # RLOO has none
+        stats["log_z"] = torch.cat(log_zs).float().mean()
+    if batch.behaviour_logp is not None:
+        stats.update(off_policy_stats(logp, batch.behaviour_logp, batch.keep))
+    grad_norm = clip_gradient(model, optimizer, scaler, max_grad_norm)         # []
+    names = ["loss", "grad_norm", *stats]
+    values = torch.stack([torch.as_tensor(total_loss, device=device, dtype=torch.float32),
+                          grad_norm.float(), *(v.float() for v in stats.values())])
+    host = dict(zip(names, values.tolist()))       # the step's one read of the device
+    off_policy = {k: host.pop(k) for k in ("log_ratio_mean", "ess_frac") if k in host}
+    off_policy = off_policy if not math.isnan(off_policy.get("ess_frac", math.nan)) else {}
     lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
-    grad_norm = apply_update(model, optimizer, scheduler, scaler, total_loss=total_loss,
-                             max_grad_norm=max_grad_norm, lr_scale=lr_scale)
+    apply_update(optimizer, scheduler, scaler, total_loss=host["loss"],
+                 grad_norm=host["grad_norm"], lr_scale=lr_scale)
     if learned_log_z is not None:
         learned_log_z.step()
     placement.release_freed_heap(device)     # the step's activations, back to the system
     return {
-        "loss": total_loss,
-        "log_z": torch.cat(log_zs).mean().item() if log_zs else None,   # RLOO has no log Z
-        "kl": (logp - batch.ref_logp)[kept].mean().item(),
-        "reward_mean": batch.reward[kept].mean().item(),
+        "loss": host["loss"],
+        "log_z": host.get("log_z"),                                     # RLOO has no log Z
+        "kl": host["kl"],
+        "reward_mean": host["reward_mean"],
         # what may move before learning falls: how sure the policy is of its own samples (the
         # mean sequence log π, an entropy estimate), how long they are, how many groups teach
         # RLOO nothing (every reward equal: TB still learns the KL part from them)
-        "logp_mean": logp[kept].mean().item(),
-        "response_len_mean": batch.response_len[kept].float().mean().item(),
-        "equal_reward_frac": equal_reward_frac(batch.reward, kept),
-        "grad_norm": grad_norm,
+        "logp_mean": host["logp_mean"],
+        "response_len_mean": host["response_len_mean"],
+        "equal_reward_frac": host["equal_reward_frac"],
+        "grad_norm": host["grad_norm"],
         **off_policy,
         **({"lr_scale": lr_scale} if loss == "vcpo" else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
 
 
+# The memory model of a pass, fitted to `bench/memory.py predict`'s measurements of a 1.1B Llama
+# (bench/README.md): the activations kept for backward, per layer and trained token, are about
+# this many bytes per hidden unit (the residual stream, attention and MLP inputs and outputs).
+ACTIVATION_BYTES = {torch.float32: 76, torch.bfloat16: 54, torch.float16: 54}
+LOGIT_CHUNK = 64          # positions of the output layer at once (logprobs.completion_logprobs)
+
+
+def groups_per_pass(model, optimizer, batch, dtype):
+    """How many groups one forward/backward pass may hold, when the step was not told
+    (--micro-groups 0). On a CPU: all of them. On a GPU, a pass per group costs host time (its
+    launches, its casts): all of them when the memory model says they fit in what the GPU has
+    free, else as many as fit (at least one). Free memory is read from the driver, which does
+    not wait for the GPU to finish its work.                                       -> int"""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return batch.response_ids.shape[0]
+    free = torch.cuda.mem_get_info(device)[0] + (torch.cuda.memory_reserved(device)
+                                                 - torch.cuda.memory_allocated(device))
+    return groups_that_fit(model, optimizer, batch, dtype, free)
+
+
+def groups_that_fit(model, optimizer, batch, dtype, free):
+    """The memory model: groups of `batch` one pass may hold in `free` bytes.       -> int"""
+    b, k, r = batch.response_ids.shape
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    free -= 4 * params + (8 * params if not optimizer.state else 0)   # gradients, AdamW moments
+    config = model.config
+    per_layer = ACTIVATION_BYTES.get(dtype, 76) * config.hidden_size      # a token, a layer
+    per_token = (config.num_hidden_layers * 4 * config.hidden_size + per_layer
+                 if getattr(model, "checkpointed_layers", 0)
+                 else config.num_hidden_layers * per_layer)
+    logits = k * LOGIT_CHUNK * config.vocab_size * 4 * 3      # a chunk's logits and log-softmax
+    per_group = k * (batch.prompt_ids.shape[1] + r) * per_token + logits
+    return max(1, min(b, int(0.8 * free // per_group)))
+
+
+def step_stats(logp, batch, kept):
+    """The step's statistics over the kept completions, as 0-dim tensors on the device, so that
+    they are read with the loss in one transfer. logp, kept: [B, K]              -> dict"""
+    n = kept.sum()                                                             # []
+
+    def mean(x):                                                               # [B, K] -> []
+        return torch.where(kept, x, 0).sum() / n
+    return {"kl": mean(logp - batch.ref_logp), "reward_mean": mean(batch.reward),
+            "logp_mean": mean(logp), "response_len_mean": mean(batch.response_len.float()),
+            "equal_reward_frac": equal_reward_frac(batch.reward, kept)}
+
+
 def equal_reward_frac(reward, kept):
     """The share of groups whose kept completions all have one reward.
-    reward: [B, K] float; kept: [B, K] bool                                          -> float"""
+    reward: [B, K] float; kept: [B, K] bool                                     -> [] tensor"""
     highest = torch.where(kept, reward, -math.inf).amax(1)                     # [B]
     lowest = torch.where(kept, reward, math.inf).amin(1)                       # [B]
-    return (highest == lowest).float().mean().item()
+    return (highest == lowest).float().mean()
 
 
 def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,
-                         micro_completions, dtype, scaler, reward_temp=1.0, learned_log_z=None):
+                         micro_completions, dtype, scaler, reward_temp=1.0, learned_log_z=None,
+                         lengths=None):
     """Add the gradient of groups `part`, weighted by their share of the batch, to the model's.
     With `micro_completions` m < n·K, a no-grad pass scores all n·K, then each gradient pass
     takes m of them with the others held at their no-grad values: since ∇L = Σ_i ∂L/∂logp_i ·
     ∇logp_i with every ∂L/∂logp_i taken at the same point, the passes add up to the whole
-    gradient, for a memory that no longer grows with K.
-    -> (their share of the loss, their log-probs [n, K] (detached), their log Ẑ [n] or None)"""
+    gradient, for a memory that no longer grows with K. Called inside the step's autocast
+    context (forward passes in `dtype`); each backward pass runs with autocast off, as torch
+    advises, without leaving the context, whose cast weights serve every pass of the step.
+    `lengths`: `batch.host_lengths()`.
+    -> (their share of the loss (a 0-dim tensor), their log-probs [n, K] (detached),
+        their log Ẑ [n] or None)"""
     device = next(model.parameters()).device
     b, k = batch.reward.shape
     n = part.stop - part.start
+    lengths = lengths or batch.host_lengths()
     size = micro_completions if 0 < micro_completions < n * k else n * k
     if size < n * k:
-        with torch.no_grad(), models.autocast(device, dtype):
-            held = group_logprobs(model, batch, temperature, groups=part)      # [n·K]
+        with torch.no_grad():
+            held = group_logprobs(model, batch, temperature, groups=part, lengths=lengths)  # [n·K]
     for s in range(0, n * k, size):
-        with models.autocast(device, dtype):
-            logp = group_logprobs(model, batch, temperature, groups=part,
-                                  completions=slice(s, s + size))              # [size]
+        logp = group_logprobs(model, batch, temperature, groups=part,
+                              completions=slice(s, s + size), lengths=lengths)  # [size]
         if size < n * k:
             logp = torch.cat([held[:s], logp, held[s + size:]])                 # [n·K]
         extra = {} if batch.keep is None else {"keep": batch.keep[part]}
@@ -166,18 +238,24 @@ def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature
         if learned_log_z is not None:
             learned_log_z.first_seen(batch.prompt_index[part], log_z)
         if part_loss.requires_grad:     # False: this pass held only padding
-            scaler.scale(part_loss * n / b).backward()
-    return part_loss.item() * n / b, logp.detach().view(n, k), log_z
+            with torch.autocast(device.type, enabled=False):
+                scaler.scale(part_loss * n / b).backward()
+    return part_loss.detach() * n / b, logp.detach().view(n, k), log_z
 
 
-def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_norm, lr_scale=1.0):
-    """Clip the accumulated gradient and take the optimiser and schedule steps, unless the loss
-    or the gradient is not finite (NonFiniteError, nothing applied). The optimiser step is taken
-    at the schedule's learning rate times `lr_scale`, the schedule itself left as it was.
-    -> the norm before clipping"""
+def clip_gradient(model, optimizer, scaler, max_grad_norm):
+    """Unscale (float16) and clip the accumulated gradient.  -> its norm before clipping, [] tensor
+    (inf or NaN when not finite: `apply_update` then refuses the step, or the scaler skips it)"""
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_grad_norm if max_grad_norm else math.inf).item()
+    return torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                          max_grad_norm if max_grad_norm else math.inf)
+
+
+def apply_update(optimizer, scheduler, scaler, *, total_loss, grad_norm, lr_scale=1.0):
+    """Take the optimiser and schedule steps on the clipped gradient (`clip_gradient`), unless the
+    loss or the gradient is not finite (NonFiniteError, nothing applied). The optimiser step is
+    taken at the schedule's learning rate times `lr_scale`, the schedule itself left as it was.
+    total_loss, grad_norm: floats, read on the host with the step's statistics."""
     overflow = not math.isfinite(grad_norm)           # float16: the scaler skips this step
     if not math.isfinite(total_loss) or (overflow and not scaler.is_enabled()):
         optimizer.zero_grad(set_to_none=True)
@@ -191,4 +269,3 @@ def apply_update(model, optimizer, scheduler, scaler, *, total_loss, max_grad_no
         group["lr"] = lr
     scaler.update()
     scheduler.step()
-    return grad_norm

@@ -4,17 +4,22 @@ with no network (no model download: models of the right shape are built with ran
     python bench/gpu.py [--out DIR]              # on a machine with a CUDA GPU
     python bench/gpu.py --tiny --device cpu      # the same code on tiny shapes (the test suite)
 
-It measures, and writes to DIR/gpu.md (a markdown report) and DIR/gpu.json as it goes:
-1. memory: one trainer step of the paper recipe's shape (the 1.1B Llama of recipes/paper-gsm8k.toml:
-   7 groups of K = 20 completions, 188 prompt + 512 response tokens) per memory option: step
-   time and peak GPU memory, against `bench/memory.py predict`'s figure for each option.
-2. search: one `generate` call at the recipe's batch (7 prompts × 20 samples × 512 tokens, held
-   to full length: no EOS), for SmolLM2-135M's shape and the 1.1B's: ms per decode step, tokens/s.
-3. weight sync: the legs of a publish (GPU → pinned staging, staging → shared slot) and of a
-   searcher's load (slot → its staging → its GPU), in a spawned process on the same GPU.
-4. overlap: the same arith-shaped run (SmolLM2-135M's shape, random weights, the real tokenizer)
-   with 0, 1 and 2 searchers sharing the GPU: trained samples/s, trainer wait, staleness.
-5. the CUDA tests (`pytest -m gpu`), last, in the time that is left.
+It measures, and writes to DIR/gpu.md (a markdown report) and DIR/gpu.json as it goes, in
+this order (each section skipped when the budget is spent):
+- overlap: the same arith-shaped run (SmolLM2-135M's shape, random weights, the real tokenizer)
+  with 0, 1 and 2 searchers sharing the GPU: trained samples/s, trainer wait, staleness.
+- search: tokens/s of `generate` at the recipe's shape (K = 20, 188-token prompts, a cache for 512
+  new tokens, no EOS) at batch 140 and 560, for SmolLM2-135M's shape and the 1.1B's, HF's eager
+  loop (PREFIX) against the static cache with transformers' compiled, CUDA-graphed decoding
+  (STATIC); the first call of each (compile time) reported apart.
+- profile: torch.profiler tables of 16 decode steps (each cache) and of one trainer step, saved
+  as DIR/profile-*.txt, with ops and host syncs per step counted as bench/overhead.py does.
+- trainer: the step at arith's shape and at the paper recipe's (the 1.1B Llama of
+  recipes/paper-gsm8k.toml, 7 groups × K = 20, 188 + 512 tokens), groups a pass from the memory
+  model: seconds and peak GPU memory.
+- tests: `pytest -m gpu` in the time left (at least --tests-s when given).
+- memory: the paper recipe's step per memory option against `bench/memory.py predict`'s figure.
+- sync: the legs of a weight sync (GPU → pinned staging → shared slot → a searcher's GPU).
 
 Models are random, so completions never stop early and rewards are zero: the numbers are about
 speed and memory, not learning. SmolLM2's tokenizer and config come from --model-files (a folder
@@ -39,6 +44,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "bench"))      # overhead.py, after the repo (bench/buffer.py)
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import models  # noqa: E402
@@ -58,6 +64,9 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key
 # the paper recipe's batch (recipes/paper-gsm8k.toml) and the tiny check's
 RECIPE = dict(groups=7, k=20, prompt=188, response=512)
 TINY_RECIPE = dict(groups=2, k=3, prompt=6, response=5)
+ARITH = dict(groups=4, k=8, prompt=24, response=32)       # arith's step (tasks/arith.py)
+TINY_ARITH = dict(groups=2, k=4, prompt=6, response=8)
+SECTIONS = ["overlap", "search", "profile", "trainer", "tests", "memory", "sync"]
 # name -> (--activation-checkpointing, --micro-completions, --dtype), as bench/memory.py
 OPTIONS = {"bfloat16": (False, 0, "bfloat16"),
            "bfloat16 + checkpointing (the recipe)": (True, 0, "bfloat16"),
@@ -114,7 +123,7 @@ def random_batch(shape, batch, device):
 
 def memory(report, args, device):
     """1. One trainer step per memory option: time and peak memory (the state included)."""
-    report.add("## 1. A trainer step of the paper recipe's shape, per memory option\n")
+    report.add("## A trainer step of the paper recipe's shape, per memory option\n")
     report.add(f"{'tiny Llama' if args.tiny else '1.1B Llama (TinyLlama shape)'}, "
                f"{args.recipe['groups']} groups × K = {args.recipe['k']}, "
                f"{args.recipe['prompt']} + {args.recipe['response']} tokens, AdamW (fused), "
@@ -159,32 +168,156 @@ def memory(report, args, device):
     report.add()
 
 
-def search(report, args, device):
-    """2. One `generate` call at the recipe's batch, held to full length."""
-    report.add("## 2. One search call at the recipe's batch (bfloat16 autocast, full length)\n")
-    report.add("| model | prompts × samples × tokens | wall (s) | ms per decode step | tokens/s |\n"
-               "| --- | --- | --- | --- | --- |")
-    recipe = args.recipe
+class StopAfter:
+    """A stop event (`sampling.generate`'s `stop_event`) that is set after `steps` decode steps:\n    a call whose cache is sized for the full response, timed over fewer steps."""
+
+    def __init__(self, steps):
+        self.steps, self.calls = steps, 0
+
+    def is_set(self):
+        self.calls += 1
+        return self.calls > self.steps
+
+
+def timed_search(model, prompts, samples, max_new_tokens, steps, cache, device):
+    """One `generate` call under bfloat16 autocast, stopped after `steps` tokens.  -> (s, tokens)"""
     tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": None})()
+    synchronize(device)
+    start = time.perf_counter()
+    with models.autocast(device, torch.bfloat16):
+        _, _, _, response_len, _ = sampling.generate(
+            model, tokenizer, prompts, num_samples=samples, max_new_tokens=max_new_tokens,
+            with_logprobs=True, cache=cache, stop_event=StopAfter(steps))
+    synchronize(device)
+    return time.perf_counter() - start, int(response_len.sum())
+
+
+def search(report, args, device):
+    """2. Search calls: HF's eager loop against the static cache (compiled on a GPU)."""
+    recipe = args.recipe
+    report.add("## Search calls: eager (DynamicCache, each prompt prefilled once) against "
+               "static cache + compiled decoding (bfloat16 autocast)\n")
+    report.add(f"{recipe['prompt']}-token prompts, caches sized for {recipe['response']} new "
+               f"tokens, timed over the first {args.search_steps} (no EOS: random weights). The "
+               "first call of each shape is a warm-up (kernels; for the static path, compiling "
+               "and capturing the CUDA graphs), reported apart.\n")
+    report.add("| model | cache | prompts × samples | warm-up (s) | ms per decode step | tokens/s |\n"
+               "| --- | --- | --- | --- | --- | --- |")
     for name, shape in args.search_shapes.items():
         model = llama(shape, device)
-        prompts = torch.randint(2, shape["vocab_size"], (recipe["groups"], recipe["prompt"])).tolist()
-        for attempt in range(2):                  # the first is a warm-up (kernels, allocator)
-            synchronize(device)
-            start = time.perf_counter()
-            with models.autocast(device, torch.bfloat16):
-                _, _, response_ids, response_len, _ = sampling.generate(
-                    model, tokenizer, prompts, num_samples=recipe["k"],
-                    max_new_tokens=recipe["response"] if attempt else 8, with_logprobs=True)
-            synchronize(device)
-            wall = time.perf_counter() - start
-        assert int(response_len.min()) == recipe["response"]
-        tokens = response_len.numel() * recipe["response"]
-        report.add(f"| {name} | {recipe['groups']} × {recipe['k']} × {recipe['response']} | "
-                   f"{wall:.1f} | {1000 * wall / recipe['response']:.1f} | {tokens / wall:.0f} |",
-                   **{f"decode_ms/{name}": 1000 * wall / recipe["response"],
-                      f"tokens_per_s/{name}": tokens / wall})
+        for cache in (sampling.PREFIX, sampling.STATIC):
+            for prompts_n in args.search_prompts:
+                if time.time() > args.deadline - 60:
+                    report.add(f"| {name} | {cache} | {prompts_n} × {recipe['k']} | skipped: "
+                               "no time left | | |")
+                    continue
+                prompts = torch.randint(2, shape["vocab_size"],
+                                        (prompts_n, recipe["prompt"])).tolist()
+                warm, _ = timed_search(model, prompts, recipe["k"], recipe["response"], 4, cache,
+                                       device)
+                wall, tokens = timed_search(model, prompts, recipe["k"], recipe["response"],
+                                            args.search_steps, cache, device)
+                key = f"{name}/{cache}/{prompts_n * recipe['k']}"
+                report.add(f"| {name} | {cache} | {prompts_n} × {recipe['k']} | {warm:.1f} | "
+                           f"{1000 * wall / args.search_steps:.1f} | {tokens / wall:.0f} |",
+                           **{f"decode_ms/{key}": 1000 * wall / args.search_steps,
+                              f"tokens_per_s/{key}": tokens / wall, f"warmup_s/{key}": warm})
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.add()
+
+
+def profile(report, args, device):
+    """3. Where a decode step's and a trainer step's time goes: torch.profiler tables (top ops by\n    device and by host time) saved beside the report, and launches and syncs per step counted as\n    bench/overhead.py counts them."""
+    import overhead
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    shape, recipe = args.search_shapes[next(iter(args.search_shapes))], args.recipe
+    model = llama(shape, device)
+    prompts = torch.randint(2, shape["vocab_size"], (recipe["groups"], recipe["prompt"])).tolist()
+    report.add("## Profiles: 16 decode steps and one trainer step\n")
+    report.add("| what | ops per step | host syncs per step | table |\n| --- | --- | --- | --- |")
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+
+    def save(name, prof):
+        path = args.out_dir / f"profile-{name}.txt"
+        path.write_text(f"# {name}: by {sort}\n" + prof.key_averages().table(sort_by=sort, row_limit=25)
+                        + "\n# by cpu_time_total\n"
+                        + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        return path.name
+
+    for cache in (sampling.PREFIX, sampling.STATIC):
+        def decode(n):
+            return lambda: timed_search(model, prompts, recipe["k"], recipe["response"], n, cache,
+                                        device)
+        decode(4)()                                             # warm (compiled already above)
+        with torch.profiler.profile(activities=activities) as prof:
+            decode(16)()
+        steps = min(16, recipe["response"] - 1) // 2              # a few, then twice as many
+        few, many = overhead.count(decode(steps)), overhead.count(decode(2 * steps))
+        ops, syncs = ((many["ops"] - few["ops"]) / steps, (many["syncs"] - few["syncs"]) / steps)
+        table = save(f"decode-{cache}", prof)
+        report.add(f"| decode step, {cache} | {ops:.0f} | {syncs:g} | {table} |",
+                   **{f"decode_ops/{cache}": ops, f"decode_syncs/{cache}": syncs})
+    optimizer, scheduler = schedules.make_optimizer(model, lr=1e-6, total_steps=10,
+                                                    warmup_steps=0, decay_steps=0)
+    batch = random_batch(shape, args.arith, device)
+
+    def step():
+        trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, dtype=torch.bfloat16)
+        synchronize(device)
+    step()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+    counted = overhead.count(step)
+    table = save("trainer-step", prof)
+    report.add(f"| trainer step, arith shape | {counted['ops']} | {counted['syncs']} | {table} |\n",
+               trainer_ops=counted["ops"], trainer_syncs=counted["syncs"])
+    del model, optimizer
+
+
+def trainer_steps(report, args, device):
+    """4. The trainer step at arith's shape and the paper recipe's, groups a pass chosen by the\n    memory model (--micro-groups 0), bfloat16 autocast."""
+    report.add("## Trainer steps (bfloat16 autocast, groups a pass from the memory model)\n")
+    report.add("| shape | groups × K, tokens | groups a pass | step (s, the 3rd) | peak allocated (GB) |\n"
+               "| --- | --- | --- | --- | --- |")
+    shapes = [(f"arith ({next(iter(args.search_shapes))})", args.search_shapes[next(iter(args.search_shapes))],
+               args.arith, False),
+              ("paper recipe (1.1B Llama, checkpointing)", args.shape, args.recipe, True)]
+    for name, shape, batch_shape, checkpointing in shapes:
+        if time.time() > args.deadline - 60:
+            report.add(f"| {name} | skipped: no time left | | | |")
+            continue
+        model = optimizer = None
+        try:
+            model = llama(shape, device)
+            if checkpointing:
+                logprobs.enable_activation_checkpointing(model)
+            optimizer, scheduler = schedules.make_optimizer(model, lr=1e-6, total_steps=10,
+                                                            warmup_steps=0, decay_steps=0)
+            batch = random_batch(shape, batch_shape, device).to("cpu")   # as the buffer gives it
+            for _ in range(3):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                synchronize(device)
+                start = time.perf_counter()
+                trainer.train_step(model, optimizer, scheduler, batch, beta=0.05,
+                                   dtype=torch.bfloat16)
+                synchronize(device)
+                seconds = time.perf_counter() - start
+            passes = trainer.groups_per_pass(model, optimizer, batch, torch.bfloat16)
+            peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else float("nan")
+            report.add(f"| {name} | {batch_shape['groups']} × {batch_shape['k']}, "
+                       f"{batch_shape['prompt']} + {batch_shape['response']} | {passes} | "
+                       f"{seconds:.3f} | {peak:.1f} |",
+                       **{f"train_step_s/{name}": seconds, f"train_peak_gb/{name}": peak})
+        except torch.OutOfMemoryError:
+            report.add(f"| {name} | out of memory | | | |")
+        finally:
+            del model, optimizer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     report.add()
 
 
@@ -207,7 +340,7 @@ def weight_sync(report, args, device):
     size = WeightChannel.bytes_needed(model) / 2
     free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else float("inf")
     if 2 * size > free / 1.5:
-        report.add(f"## 3. Weight sync: skipped, /dev/shm has {free / GB:.1f} GB free\n")
+        report.add(f"## Weight sync: skipped, /dev/shm has {free / GB:.1f} GB free\n")
         return
     ctx = mp.get_context("spawn")
     channel = WeightChannel(model, 1, ctx, device=device)
@@ -225,7 +358,7 @@ def weight_sync(report, args, device):
     to_host = statistics.median(leg["sync_to_host_s"] for leg in legs)
     to_slot = statistics.median(leg["sync_to_slot_s"] for leg in legs)
     load = statistics.median(loads)
-    report.add(f"## 3. Weight sync ({name}, {size / GB:.2f} GB of float32 weights)\n")
+    report.add(f"## Weight sync ({name}, {size / GB:.2f} GB of float32 weights)\n")
     report.add("| leg | seconds (median of 3) | GB/s |\n| --- | --- | --- |\n"
                f"| trainer: GPU → pinned staging | {to_host:.3f} | {size / GB / max(to_host, 1e-9):.1f} |\n"
                f"| trainer: staging → shared slot | {to_slot:.3f} | {size / GB / max(to_slot, 1e-9):.1f} |\n"
@@ -250,7 +383,7 @@ def random_smollm2(model_files, folder, tiny):
 def overlap(report, args, device, work):
     """4. The same arith-shaped run with 0, 1 and 2 searchers sharing the one device."""
     folder = random_smollm2(args.model_files, work / "smollm2-random", args.tiny)
-    report.add(f"## 4. Searchers sharing the {device.type.upper()}: arith's shape, "
+    report.add(f"## Searchers sharing the {device.type.upper()}: arith's shape, "
                f"{'a tiny Llama' if args.tiny else 'SmolLM2-135M shape'}, random weights\n")
     report.add(f"`tba.py --task arith` (B = 4 prompts × K = 8, 32 new tokens: full length with "
                f"random weights), {args.steps} steps, --sync-every 2; rates over steps "
@@ -291,7 +424,7 @@ def cuda_tests(report, args):
     """5. `pytest -m gpu` in the time left."""
     left = min(args.deadline - time.time(), args.tests_s or float("inf"))
     if left < 30:
-        report.add("## 5. The CUDA tests: not run, no time left\n")
+        report.add("## The CUDA tests: not run, no time left\n")
         return
     command = [sys.executable, "-m", "pytest", "-v", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
                "tests/test_gpu.py", "tests/test_trainer.py", "tests/test_run.py"]
@@ -303,7 +436,7 @@ def cuda_tests(report, args):
     except subprocess.TimeoutExpired as e:
         partial = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         tail = [f"timed out after {left:.0f} s"] + partial.strip().splitlines()[-10:]
-    report.add("## 5. The CUDA tests (`pytest -m gpu`)\n\n```\n" + "\n".join(tail) + "\n```\n")
+    report.add("## The CUDA tests (`pytest -m gpu`)\n\n```\n" + "\n".join(tail) + "\n```\n")
 
 
 def main(argv=None):
@@ -314,10 +447,12 @@ def main(argv=None):
     parser.add_argument("--model-files", default="",
                         help="SmolLM2's tokenizer files and config.json (default: .gpu/smollm2, "
                              "else ~/.cache/tba/SmolLM2-135M-Instruct)")
-    parser.add_argument("--only", nargs="*", default=["overlap", "memory", "search", "sync", "tests"],
-                        choices=["overlap", "memory", "search", "sync", "tests"],
+    parser.add_argument("--only", nargs="*", default=SECTIONS, choices=SECTIONS,
                         help="the sections, in this order (overlap first: its runs are other "
                              "processes, and this one holds no GPU memory yet)")
+    parser.add_argument("--search-steps", type=int, default=256,
+                        help="decode steps each timed search call runs (its cache is sized for "
+                             "the recipe's 512)")
     parser.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
     parser.add_argument("--tests-s", type=float, default=0,
                         help="seconds for the tests at most (default: what the budget leaves)")
@@ -342,6 +477,10 @@ def main(argv=None):
                 num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
                 num_hidden_layers=30, tie_word_embeddings=True)
     args.shape, args.recipe = (TINY, TINY_RECIPE) if args.tiny else (LLAMA_1B, RECIPE)
+    args.arith = TINY_ARITH if args.tiny else ARITH
+    args.search_prompts = [2, 4] if args.tiny else [7, 28]      # batch 140 and 560 at K = 20
+    args.search_steps = min(args.search_steps, args.recipe["response"])
+    args.out_dir = Path(args.out)
     args.search_shapes = ({"tiny Llama": TINY} if args.tiny
                           else {"SmolLM2-135M shape": smol, "1.1B Llama shape": LLAMA_1B})
     args.sync_shape = (TINY, "tiny Llama") if args.tiny else (LLAMA_1B, "1.1B Llama shape")
@@ -355,6 +494,8 @@ def main(argv=None):
                device=name, torch=torch.__version__, transformers=transformers.__version__)
     sections = {"memory": lambda: memory(report, args, device),
                 "search": lambda: search(report, args, device),
+                "profile": lambda: profile(report, args, device),
+                "trainer": lambda: trainer_steps(report, args, device),
                 "sync": lambda: weight_sync(report, args, device),
                 "overlap": lambda: overlap(report, args, device, work),
                 "tests": lambda: cuda_tests(report, args)}

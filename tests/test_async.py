@@ -150,10 +150,12 @@ def test_two_searchers_run_and_exit_cleanly(tmp_path):
     sync_every, max_staleness, max_reuse = 2, 3, 2
     result = run_tba(tmp_path, "--searchers", "2", "--steps", "40", "--eval-every", "0",
                      "--sync-every", str(sync_every), "--max-staleness", str(max_staleness),
-                     "--max-reuse", str(max_reuse))
+                     "--max-reuse", str(max_reuse), "--search-batch", "4")
     assert result.returncode == 0, result.stderr
     train_rows, eval_rows = rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in train_rows] == list(range(1, 41))
+    # each search call generates for --search-batch 4 prompts, twice the toy's B = 2
+    assert train_rows[-1]["gen_groups"] > 0 and all(r["gen_groups"] % 4 == 0 for r in train_rows)
     for r in train_rows:
         assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= max_staleness
         assert 1 <= r["reuse_mean"] <= max_reuse

@@ -94,6 +94,9 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--is-clip", "-2"], "--is-clip must be greater than 0"),
     (["--lag", "-1"], "--lag must be at least 0 (got -1)"),
     (["--replay-groups", "-1"], "--replay-groups must be at least 0 (got -1)"),
+    (["--search-batch", "-1"], "--search-batch must be at least 0 (got -1)"),
+    (["--search-batch", "8", "--searchers", "0"], "--search-batch 8 sizes a searcher process's "
+     "calls, and --searchers 0 samples each step's B groups itself"),
     (["--search-temperature", "0", "1"], "--search-temperature must be two numbers 0 < LOW <= HIGH"),
     (["--search-temperature", "2", "1"], "--search-temperature must be two numbers 0 < LOW"),
     (["--search-temperature", "1"], "argument --search-temperature: expected 2 arguments"),

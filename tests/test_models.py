@@ -211,3 +211,57 @@ def test_a_frozen_copy_scores_bit_for_bit_as_autocast_does(build):
     assert all(p.dtype == torch.float32 and not p.requires_grad
                for p in models.frozen_copy(model).parameters())
     assert all(p.requires_grad for p in model.parameters())        # the original still trains
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_static_cache_samples_what_the_prefix_cache_samples_and_the_trainer_scores(dtype):
+    """`cache=STATIC` (the GPU's path: a fixed-size cache, every sample's prompt prefilled, prompts
+    padded to PROMPT_BUCKET) draws the same tokens as the shared-prefix path from the same seed,
+    and the log μ it records is the trainer's log-prob of them, also under bfloat16 autocast
+    (where RoPE leaves the keys in float32 beside bfloat16 values). Eager here: compiling is
+    the GPU's."""
+    from batch import GroupBatch
+    from logprobs import group_logprobs
+    model, tokenizer = tiny_model_and_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)
+    model.eval()
+    prompts = [[2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    out = {}
+    for cache in (sampling.PREFIX, sampling.STATIC, sampling.STATIC):   # the static cache reused
+        torch.manual_seed(3)
+        with models.autocast("cpu", dtype):
+            out[cache] = sampling.generate(model, tokenizer, prompts, num_samples=4,
+                                           max_new_tokens=6, temperature=0.9,
+                                           with_logprobs=True, cache=cache)
+    prefix, static = out[sampling.PREFIX], out[sampling.STATIC]
+    assert static[0].shape[1] == sampling.PROMPT_BUCKET                    # [B, 64]
+    assert torch.equal(prefix[2], static[2]) and torch.equal(prefix[3], static[3])
+    assert (static[3] < 6).any() and len(set(map(tuple, static[2].flatten(0, 1).tolist()))) > 6
+    ids, mask, response_ids, response_len, behaviour_logp = static
+    batch = GroupBatch(prompt_ids=ids, prompt_mask=mask, response_ids=response_ids,
+                       response_len=response_len, reward=torch.zeros(3, 4),
+                       ref_logp=torch.zeros(3, 4), version=torch.zeros(3, 4, dtype=torch.long),
+                       prompt_index=torch.arange(3))
+    with torch.no_grad(), models.autocast("cpu", dtype):
+        logp = group_logprobs(model, batch, 0.9).view(3, 4)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.15           # bfloat16's rounding, 6 tokens
+    assert (logp - behaviour_logp).abs().max() <= tolerance
+    torch.testing.assert_close(behaviour_logp, prefix[4], rtol=0, atol=tolerance)
+
+
+def test_static_decoding_is_the_default_only_where_it_compiles(monkeypatch):
+    """On a CPU the prefix-shared cache (fewest FLOPs, no compiling unless asked); on a GPU the
+    static cache, unless torch.compile cannot work there: then one line says so, once."""
+    assert sampling.default_cache("cpu") == sampling.PREFIX
+    monkeypatch.setattr(sampling, "_COMPILE_CHECKED", {})
+    monkeypatch.setattr(sampling.shutil, "which", lambda name: "/usr/bin/cc")
+    assert sampling.default_cache("cuda:0") == sampling.STATIC
+    monkeypatch.setattr(sampling, "_COMPILE_CHECKED", {})
+    monkeypatch.setattr(sampling.shutil, "which", lambda name: None)
+    messages = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: messages.append(" ".join(map(str, a))))
+    assert sampling.default_cache("cuda:0") == sampling.PREFIX
+    assert sampling.default_cache("cuda:1") == sampling.PREFIX
+    assert len(messages) == 1 and "decoding eagerly" in messages[0] and "C compiler" in messages[0]

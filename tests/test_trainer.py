@@ -1,5 +1,6 @@
 """The trainer's math, checked against hand computations and against HF `generate`."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,3 +390,56 @@ def test_step_metrics_by_hand():
     assert stats["response_len_mean"] == pytest.approx(
         batch.response_len.flatten()[kept].float().mean().item())
     assert stats["equal_reward_frac"] == pytest.approx(2 / 3)
+
+
+def _overhead():
+    """bench/overhead.py, the counter of ops and host syncs, as a module (the repo first on the
+    path: bench/ holds a buffer.py of its own)."""
+    import importlib
+    import sys
+    saved = list(sys.path)
+    repo = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(repo), str(repo / "bench")]
+    try:
+        return importlib.import_module("overhead")
+    finally:
+        sys.path[:] = saved
+
+
+def test_a_trainer_step_and_a_decode_step_read_the_device_as_few_times_as_counted():
+    """Host syncs stall a GPU's host; `bench/overhead.py` counts them on the CPU. A trainer step
+    reads the device twice (the batch's lengths, when the batch is on the device already, and
+    its statistics with the loss and the gradient norm, together) plus transformers' own check
+    of the attention mask, once a pass; a decode step once (HF's test of unfinished sequences),
+    on either cache. Held here so that a change cannot quietly add one back."""
+    import batch as batch_module
+    import sampling
+    import schedules
+    import trainer
+    overhead = _overhead()
+    model = overhead.tiny_llama(layers=2)
+    modules = (trainer, schedules, batch_module)
+    assert overhead.trainer_step(modules, model)["syncs"] == 3                 # all groups a pass
+    assert overhead.trainer_step(modules, model, micro_groups=1)["syncs"] == 6  # 4 passes
+    for cache in (sampling.PREFIX, sampling.STATIC):
+        assert overhead.decode_step(sampling, model, prompts=2, samples=3, steps=3,
+                                    cache=cache)["syncs"] == 1
+
+
+def test_the_memory_model_puts_as_many_groups_in_a_pass_as_fit():
+    """`groups_that_fit` by hand: a 2-layer model with hidden size 16, no checkpointing, float32:
+    76 · 16 bytes a layer and token; groups of 4 completions of 5 + 6 tokens."""
+    from trainer import groups_that_fit
+    model = tiny_llama()
+    batch = random_batch(24)                                     # 3 groups × 4, P = 5, R = 6
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    per_group = (4 * (5 + 6) * config.num_hidden_layers * 76 * config.hidden_size
+                 + 4 * 64 * config.vocab_size * 12)
+    state = 12 * params                                          # gradients and AdamW moments
+    for groups in (1, 2, 3):
+        free = state + per_group * groups / 0.8 + 1
+        assert groups_that_fit(model, optimizer, batch, torch.float32, free) == groups
+    assert groups_that_fit(model, optimizer, batch, torch.float32, 10 ** 12) == 3
+    assert groups_that_fit(model, optimizer, batch, torch.float32, 0) == 1
