@@ -51,6 +51,7 @@ import models  # noqa: E402
 import placement  # noqa: E402
 import schedules  # noqa: E402
 import trainer  # noqa: E402
+import overhead  # noqa: E402
 from batch import GroupBatch  # noqa: E402
 from weights import WeightChannel  # noqa: E402
 
@@ -122,7 +123,7 @@ def random_batch(shape, batch, device):
 
 
 def memory(report, args, device):
-    """1. One trainer step per memory option: time and peak memory (the state included)."""
+    """One trainer step per memory option: time and peak memory (the state included)."""
     report.add("## A trainer step of the paper recipe's shape, per memory option\n")
     report.add(f"{'tiny Llama' if args.tiny else '1.1B Llama (TinyLlama shape)'}, "
                f"{args.recipe['groups']} groups × K = {args.recipe['k']}, "
@@ -168,17 +169,6 @@ def memory(report, args, device):
     report.add()
 
 
-class StopAfter:
-    """A stop event (`sampling.generate`'s `stop_event`) that is set after `steps` decode steps:\n    a call whose cache is sized for the full response, timed over fewer steps."""
-
-    def __init__(self, steps):
-        self.steps, self.calls = steps, 0
-
-    def is_set(self):
-        self.calls += 1
-        return self.calls > self.steps
-
-
 def timed_search(model, prompts, samples, max_new_tokens, steps, cache, device):
     """One `generate` call under bfloat16 autocast, stopped after `steps` tokens.  -> (s, tokens)"""
     tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": None})()
@@ -187,13 +177,13 @@ def timed_search(model, prompts, samples, max_new_tokens, steps, cache, device):
     with models.autocast(device, torch.bfloat16):
         _, _, _, response_len, _ = sampling.generate(
             model, tokenizer, prompts, num_samples=samples, max_new_tokens=max_new_tokens,
-            with_logprobs=True, cache=cache, stop_event=StopAfter(steps))
+            with_logprobs=True, cache=cache, stop_event=overhead.StopAfter(steps))
     synchronize(device)
     return time.perf_counter() - start, int(response_len.sum())
 
 
 def search(report, args, device):
-    """2. Search calls: HF's eager loop against the static cache (compiled on a GPU)."""
+    """Search calls: HF's eager loop against the static cache (compiled on a GPU)."""
     recipe = args.recipe
     report.add("## Search calls: eager (DynamicCache, each prompt prefilled once) against "
                "static cache + compiled decoding (bfloat16 autocast)\n")
@@ -229,8 +219,9 @@ def search(report, args, device):
 
 
 def profile(report, args, device):
-    """3. Where a decode step's and a trainer step's time goes: torch.profiler tables (top ops by\n    device and by host time) saved beside the report, and launches and syncs per step counted as\n    bench/overhead.py counts them."""
-    import overhead
+    """Where a decode step's and a trainer step's time goes: torch.profiler tables (top ops by
+    device and by host time) saved beside the report, and launches and syncs per step counted as
+    bench/overhead.py counts them."""
     from torch.profiler import ProfilerActivity
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     shape, recipe = args.search_shapes[next(iter(args.search_shapes))], args.recipe
@@ -278,7 +269,8 @@ def profile(report, args, device):
 
 
 def trainer_steps(report, args, device):
-    """4. The trainer step at arith's shape and the paper recipe's, groups a pass chosen by the\n    memory model (--micro-groups 0), bfloat16 autocast."""
+    """The trainer step at arith's shape and the paper recipe's, groups a pass chosen by the
+    memory model (--micro-groups 0), bfloat16 autocast."""
     report.add("## Trainer steps (bfloat16 autocast, groups a pass from the memory model)\n")
     report.add("| shape | groups × K, tokens | groups a pass | step (s, the 3rd) | peak allocated (GB) |\n"
                "| --- | --- | --- | --- | --- |")
@@ -334,7 +326,7 @@ def load_in_searcher(shape, device, channel, results):
 
 
 def weight_sync(report, args, device):
-    """3. The legs of a weight sync, trainer and searcher on the same GPU."""
+    """The legs of a weight sync, trainer and searcher on the same GPU."""
     shape, name = args.sync_shape
     model = llama(shape, device)
     size = WeightChannel.bytes_needed(model) / 2
@@ -381,7 +373,7 @@ def random_smollm2(model_files, folder, tiny):
 
 
 def overlap(report, args, device, work):
-    """4. The same arith-shaped run with 0, 1 and 2 searchers sharing the one device."""
+    """The same arith-shaped run with 0, 1 and 2 searchers sharing the one device."""
     folder = random_smollm2(args.model_files, work / "smollm2-random", args.tiny)
     report.add(f"## Searchers sharing the {device.type.upper()}: arith's shape, "
                f"{'a tiny Llama' if args.tiny else 'SmolLM2-135M shape'}, random weights\n")
@@ -421,7 +413,7 @@ def overlap(report, args, device, work):
 
 
 def cuda_tests(report, args):
-    """5. `pytest -m gpu` in the time left."""
+    """`pytest -m gpu` in the time left."""
     left = min(args.deadline - time.time(), args.tests_s or float("inf"))
     if left < 30:
         report.add("## The CUDA tests: not run, no time left\n")

@@ -109,18 +109,43 @@ class Tokenizer:
     pad_token_id, eos_token_id = 0, None
 
 
+class StopAfter:
+    """A stop event for `sampling.generate` (`stop_event`) that is set after `steps` decode
+    steps: calls that stop at different lengths keep one cache size, so one compiled shape."""
+
+    def __init__(self, steps):
+        self.steps, self.calls = steps, 0
+
+    def is_set(self):
+        self.calls += 1
+        return self.calls > self.steps
+
+
 def decode_step(sampling, model, prompts=7, samples=20, prompt_len=24, steps=8, **kwargs):
-    """Ops and syncs of one decode step of `sampling.generate` at batch prompts × samples."""
+    """Ops and syncs of one decode step of `sampling.generate` at batch prompts × samples: the
+    counts of a call stopped after 2·steps tokens less those of one stopped after `steps`, both
+    with a cache sized for 2·steps + 1 (a compiled step is then compiled once, in the warm-up)."""
     ids = torch.randint(3, model.config.vocab_size, (prompts, prompt_len)).tolist()
 
     def call(n):
         return lambda: sampling.generate(model, Tokenizer(), ids, num_samples=samples,
-                                         max_new_tokens=n, with_logprobs=True, **kwargs)
-    call(2)()                                                        # warm-up
+                                         max_new_tokens=2 * steps + 1, with_logprobs=True,
+                                         stop_event=StopAfter(n), **kwargs)
+    call(2)()                                                        # warm-up (and compiling)
     short, long = count(call(steps)), count(call(2 * steps))
     return {"ops": (long["ops"] - short["ops"]) / steps,
             "syncs": (long["syncs"] - short["syncs"]) / steps,
-            "by_sync": dict(long["by_sync"] - short["by_sync"])}
+            "by_sync": {k: v / steps for k, v in (long["by_sync"] - short["by_sync"]).items()}}
+
+
+def compiled_on_the_cpu(model):
+    """Ask transformers to compile the decoding step on the CPU too (inductor, no CUDA graphs),
+    as it does by itself on a GPU: the host's ops outside the compiled graph are what is left."""
+    from transformers import CompileConfig
+    compile_config = CompileConfig(mode="default", dynamic=False)
+    compile_config._compile_all_devices = True
+    model.generation_config.compile_config = compile_config
+    return model
 
 
 def arith_batch(batch_module, groups=4, k=8, prompt_len=24, response_len=32, vocab=512):
@@ -137,8 +162,9 @@ def arith_batch(batch_module, groups=4, k=8, prompt_len=24, response_len=32, voc
         behaviour_logp=-torch.rand(groups, k) * 50)
 
 
-def trainer_step(modules, model, micro_groups=None):
-    """Ops and syncs of one `trainer.train_step` at arith's shape (the second of two)."""
+def trainer_step(modules, model, micro_groups=None, dtype=torch.float32):
+    """Ops and syncs of one `trainer.train_step` at arith's shape (the second of two), forward
+    passes under autocast to `dtype`."""
     trainer, schedules, batch_module = modules
     optimizer, scheduler = schedules.make_optimizer(model, lr=1e-5, total_steps=10,
                                                     warmup_steps=0, decay_steps=0)
@@ -146,7 +172,7 @@ def trainer_step(modules, model, micro_groups=None):
 
     def step():
         trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, temperature=0.7,
-                           micro_groups=micro_groups, max_grad_norm=1.0)
+                           micro_groups=micro_groups, max_grad_norm=1.0, dtype=dtype)
     step()
     counted = count(step)
     return {"ops": counted["ops"], "syncs": counted["syncs"], "by_sync": dict(counted["by_sync"])}
@@ -156,7 +182,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose code is counted")
     parser.add_argument("--out", default=None, help="write the counts to this JSON file")
-    parser.add_argument("--top", type=int, default=0, help="also print the N most frequent ops")
+    parser.add_argument("--compile", action="store_true",
+                        help="also count the static cache's decoding step compiled on the CPU "
+                             "(minutes of compiling)")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.repo)
     torch.set_num_threads(1)
@@ -170,9 +198,15 @@ def main(argv=None):
     if hasattr(sampling, "STATIC"):
         results["decode step, static cache (eager on a CPU)"] = decode_step(
             sampling, model, cache=sampling.STATIC)
+        if args.compile:
+            results["decode step, static cache, compiled on the CPU"] = decode_step(
+                sampling, compiled_on_the_cpu(tiny_llama()), cache=sampling.STATIC)
     modules = (trainer, schedules, batch_module)
     results["trainer step, arith shape, all groups in one pass"] = trainer_step(modules, model)
     results["trainer step, arith shape, one group a pass"] = trainer_step(modules, model, 1)
+    for name, micro_groups in (("all groups in one pass", None), ("one group a pass", 1)):
+        results[f"trainer step, arith shape, {name}, bfloat16 autocast"] = trainer_step(
+            modules, model, micro_groups, torch.bfloat16)
     print(f"# host work per step, counted on the CPU; code: {args.repo}; torch {torch.__version__}\n")
     print("| step | kernel-launching ops | host syncs | syncs by kind |\n| --- | --- | --- | --- |")
     for name, r in results.items():

@@ -131,13 +131,20 @@ def test_the_gpu_check_runs_on_tiny_shapes(tiny_model_dir, tmp_path):
     out = tmp_path / "check"
     done = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--device", "cpu",
                            "--out", str(out), "--model-files", str(tiny_model_dir),
-                           "--only", "memory", "search", "sync", "overlap"],
+                           "--only", "memory", "search", "profile", "trainer", "sync", "overlap"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = (out / "gpu.md").read_text()
-    assert "failed" not in report, report
+    assert "failed" not in report and "skipped" not in report, report
     figures = json.loads((out / "gpu.json").read_text())
     assert len([k for k in figures if k.startswith("step_s/")]) == 4
-    assert figures["tokens_per_s/tiny Llama"] > 0 and figures["searcher_load_s"] > 0
+    for cache in ("prefix", "static"):                # batch 2 × 3 and 4 × 3: "140" and "560"
+        for batch in (6, 12):
+            assert figures[f"tokens_per_s/tiny Llama/{cache}/{batch}"] > 0
+        assert figures[f"decode_syncs/{cache}"] == 1 and figures[f"decode_ops/{cache}"] > 0
+        assert (out / f"profile-decode-{cache}.txt").is_file()
+    assert 0 < figures["trainer_syncs"] <= 3 and (out / "profile-trainer-step.txt").is_file()
+    assert len([k for k in figures if k.startswith("train_step_s/")]) == 2
+    assert figures["searcher_load_s"] > 0
     assert figures["samples_per_s/0"] > 0 and figures["samples_per_s/1"] > 0
     assert figures["staleness/1"] > 0 == figures["staleness/0"]
