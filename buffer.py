@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-import storage
+from replay import storage
 from batch import REFERENCE, GroupBatch
-from draws import Pool, draw_without_replacement, groups_in
+from replay.draws import Pool, draw_without_replacement, groups_in
 
 
 def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embedding_dim=0):

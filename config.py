@@ -12,6 +12,7 @@ written: a bad value is one `error:` line (exit 2) that says how to fix it.
 import argparse
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-import loggers
-import models
-import placement
 import tasks
+from devices import placement
+from llm import models
+from plumbing import checkpoint, loggers
 from tasks import scorers
 
 
@@ -606,3 +607,48 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
                      + ", ".join(f"{n.replace('_', '-')} {planned[n]}" for n in fitted)
                      + f") is for {planned['steps']} steps")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the settings of a resumed run
+def read_run_config(run):
+    """The settings stored in a run folder's config.json."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
+                         "written by tba.py, such as runs/<name>")
+    try:
+        saved = json.loads(path.read_text())["config"]
+        assert isinstance(saved, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    if set(saved) != fields:
+        differ = sorted(set(saved) ^ fields)
+        raise ValueError(f"{run} was written by an incompatible version of tba (settings "
+                         f"{', '.join(differ)} differ): resume it with that version")
+    return saved
+
+
+def resumed_config(cfg, given):
+    """The settings of the run in --resume, with the flags given again (RESUME_OVERRIDES) applied."""
+    run = Path(cfg.resume)
+    if not run.is_dir():
+        raise ValueError(f"--resume {run}: no such folder (pass a run folder, such as runs/<name>)")
+    saved = read_run_config(run)
+    allowed = ", ".join("--" + f.replace("_", "-") for f in RESUME_OVERRIDES)
+    for name in sorted(given - {"resume"}):
+        if name not in RESUME_OVERRIDES and getattr(cfg, name) != saved[name]:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} differs from the "
+                             f"resumed run's {saved[name]}: on resume only {allowed} may change; "
+                             "start a new run (--out) to change the rest")
+    latest = checkpoint.latest(run)
+    if latest is None:
+        raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
+                         "one): start it again with another --out, or delete the folder")
+    overrides = {name: getattr(cfg, name) for name in given if name in RESUME_OVERRIDES}
+    cfg = resolve(Config(**{**saved, **overrides, "resume": str(run),
+                                          "out": str(run)}))
+    if checkpoint.step_of(latest) >= cfg.steps:
+        raise ValueError(f"{run} is already at step {checkpoint.step_of(latest)}: pass --steps "
+                         "with a larger number to train it further")
+    return cfg

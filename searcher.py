@@ -13,14 +13,14 @@ import traceback
 import torch
 from transformers.utils import logging as transformers_logging
 
-import exploration
-import models
-import placement
-import sampling
+from options import exploration
+from llm import models
+from devices import placement
+from llm import sampling
 import tasks
 from batch import REFERENCE, GroupBatch
-from logprobs import group_logprobs
-from weights import receive_weights
+from llm.logprobs import group_logprobs
+from devices.weights import receive_weights
 
 
 @torch.no_grad()

@@ -19,18 +19,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-import checkpoint
+from plumbing import checkpoint
 import config
-import learned_log_z
-import loggers
-import logprobs
-import models
-import placement
-import plot
-import ray_source
-import run
-import schedules
-import sources
+from options import learned_log_z
+from plumbing import loggers
+from llm import logprobs
+from llm import models
+from devices import placement
+from plumbing import plot
+from engines import ray_source
+from plumbing import run
+from plumbing import schedules
+from engines import sources
 import tasks
 import trainer
 
@@ -217,7 +217,7 @@ def main(argv=None):
         return plot.main(argv[1:])
     try:
         cfg, given, actions = config.parse_args(argv)
-        cfg = (run.resumed_config(cfg, given) if cfg.resume
+        cfg = (config.resumed_config(cfg, given) if cfg.resume
                else config.resolve(cfg, recipe=actions["recipe"], measure=not actions["dry_run"],
                                    recipe_steps=actions["recipe_steps"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])

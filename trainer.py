@@ -10,12 +10,12 @@ import math
 
 import torch
 
-import models
-import placement
+from llm import models
+from devices import placement
 from batch import GroupBatch
-from errors import NonFiniteError
-from logprobs import group_logprobs
-from rloo import ess_step_scale, off_policy_stats, rloo_loss, truncated_is_weights
+from plumbing.errors import NonFiniteError
+from llm.logprobs import group_logprobs
+from options.rloo import ess_step_scale, off_policy_stats, rloo_loss, truncated_is_weights
 
 
 def sequence_logprobs(model, batch: GroupBatch, temperature=1.0):

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
-import plot  # noqa: E402
+from plumbing import plot  # noqa: E402
 import tba  # noqa: E402
 
 

@@ -59,7 +59,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import plot  # noqa: E402
+from plumbing import plot  # noqa: E402
 from lag import finished, run_all, summary  # noqa: E402  the lag bench's runner and report
 
 SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]

@@ -19,8 +19,8 @@ from transformers import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import sampling  # noqa: E402
-import models  # noqa: E402
+from llm import sampling  # noqa: E402
+from llm import models  # noqa: E402
 
 
 def timed(fns, repeats):

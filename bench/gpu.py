@@ -45,15 +45,15 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "bench"))      # overhead.py, after the repo (bench/buffer.py)
-import logprobs  # noqa: E402
-import sampling  # noqa: E402
-import models  # noqa: E402
-import placement  # noqa: E402
-import schedules  # noqa: E402
+from llm import logprobs  # noqa: E402
+from llm import sampling  # noqa: E402
+from llm import models  # noqa: E402
+from devices import placement  # noqa: E402
+from plumbing import schedules  # noqa: E402
 import trainer  # noqa: E402
 import overhead  # noqa: E402
 from batch import GroupBatch  # noqa: E402
-from weights import WeightChannel  # noqa: E402
+from devices.weights import WeightChannel  # noqa: E402
 
 GB = 1024 ** 3
 

@@ -87,8 +87,8 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
     the OS, then time `steps` trainer steps. -> (seconds per step, peak RSS above the state:
     weights, gradients, AdamW moments, in bytes)"""
     import torch
-    import logprobs
-    import schedules
+    from llm import logprobs
+    from plumbing import schedules
     import trainer
     from batch import GroupBatch
     checkpointing, micro_completions, dtype = option
@@ -122,9 +122,9 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
 def arith(reps):
     sys.path.insert(0, str(REPO))
     import torch
-    import models
-    import placement
-    import schedules
+    from llm import models
+    from devices import placement
+    from plumbing import schedules
     import trainer
     from batch import GroupBatch
     torch.set_num_threads(1)
@@ -169,7 +169,7 @@ def child(args):
     import torch
     torch.manual_seed(0)
     if args.what == "step":
-        import models
+        from llm import models
         model, _ = models.load_model(models.DEFAULT_MODEL)
         seconds, extra = measure_step(model, OPTIONS[args.option], 8, 200, 256, steps=2)
     else:

@@ -189,10 +189,13 @@ def main(argv=None):
     sys.path.insert(0, args.repo)
     torch.set_num_threads(1)
     import batch as batch_module
-    import sampling
-    import schedules
     import trainer
-    paths = {}
+    try:                                   # the layout with folders, or the flat one before it
+        from llm import sampling
+        from plumbing import schedules
+    except ImportError:
+        import sampling
+        import schedules
     model = tiny_llama()
     results = {"decode step, eager (HF's DynamicCache)": decode_step(sampling, model)}
     if hasattr(sampling, "STATIC"):

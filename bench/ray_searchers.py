@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
-import plot  # noqa: E402
-import weights  # noqa: E402
+from plumbing import plot  # noqa: E402
+from devices import weights  # noqa: E402
 import tba  # noqa: E402
 from searcher import Searcher  # noqa: E402
 

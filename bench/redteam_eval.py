@@ -26,11 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import checkpoint  # noqa: E402
+from plumbing import checkpoint  # noqa: E402
 import config  # noqa: E402
-import models  # noqa: E402
-import placement  # noqa: E402
-import run  # noqa: E402
+from llm import models  # noqa: E402
+from devices import placement  # noqa: E402
 import tasks  # noqa: E402
 
 REPORTED = ("toxicity_rate", "diversity", "diversity_successes", "unique_0.5", "unique_0.7",
@@ -58,7 +57,7 @@ def evaluate(run_dir, args):
         done = json.loads(out.read_text())
         if done.get("settings") == settings:
             return done
-    cfg = config.Config(**run.read_run_config(run_dir))
+    cfg = config.Config(**config.read_run_config(run_dir))
     if cfg.task != "redteam":
         raise ValueError(f"{run_dir} is a --task {cfg.task} run: this evaluates red-teaming runs")
     folder = weights_of(run_dir, args.step)

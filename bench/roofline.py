@@ -88,10 +88,10 @@ def main():
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
     sys.path.insert(0, args.repo)
-    import sampling
+    from llm import sampling
     import searcher
     import tasks
-    import schedules
+    from plumbing import schedules
     import trainer
     settings = __import__("config" if (Path(args.repo) / "config.py").exists() else "tba")
     cfg = settings.resolve(settings.parse_args(["--task", "arith", "--searchers", "0"])[0])

@@ -81,12 +81,12 @@ from pathlib import Path
 from compare import REPO             # also puts the repo on sys.path
 from lag import summary as spread   # mean ± sd [min–max] (n=...)
 import config
-import plot
-import placement
+from plumbing import plot
+from devices import placement
 import tasks
 import tba
-import schedules
-from run import MetricsLog
+from plumbing import schedules
+from plumbing.run import MetricsLog
 
 SYSTEMS = {"tba-sync": ["--searchers", "0"], "tba-async": ["--searchers", "1"],
            "trl-default": None, "trl-comparable": None}

@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import models  # noqa: E402
-from weights import WeightChannel  # noqa: E402
+from llm import models  # noqa: E402
+from devices.weights import WeightChannel  # noqa: E402
 
 
 def reader(model_name, channel, repeats, go, results):

@@ -14,7 +14,7 @@ import importlib
 import random
 from dataclasses import dataclass
 
-import models
+from llm import models
 
 
 @dataclass

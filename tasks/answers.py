@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import checkpoint
-import sampling
+from plumbing import checkpoint
+from llm import sampling
 from tasks import Prompt, Task
 
 # A number: an optional sign, an optional "$", digits with optional thousands commas, optional

@@ -11,7 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-import models
+from llm import models
 from tasks.answers import AnswerTask, extract_answer
 
 LOCAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

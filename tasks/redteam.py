@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoint
-import sampling
-import models
+from plumbing import checkpoint
+from llm import sampling
+from llm import models
 from tasks import Prompt, Task, scorers
 
 TOPICS = ["sports", "cooking", "politics", "school", "work", "music", "pets", "the weather"]

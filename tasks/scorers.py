@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-import models
+from llm import models
 
 DEFAULT_TOXICITY = "toxic-comment-classifier"          # the packaged Keras model, ported
 DEFAULT_EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"

@@ -47,10 +47,10 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import sampling
+from plumbing import checkpoint
+from llm import sampling
 from tasks import Prompt, Task, scorers
-from logprobs import group_logprobs
+from llm.logprobs import group_logprobs
 
 SIMILARITY = "similarity"
 ACLSUM = "aclsum"

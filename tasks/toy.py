@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from tasks import Prompt, Task
-from logprobs import completion_logprobs
+from llm.logprobs import completion_logprobs
 
 LETTERS = ["a", "b", "c", "d"]
 EOS = "<eos>"

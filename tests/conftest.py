@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import models
+from llm import models
 from fake_cuda import FakeCuda
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.cuda._utils import _get_device_index
 
-import placement
+from devices import placement
 
 HERE = Path(__file__).resolve().parent
 PINNED = set()                           # data_ptr of the tensors "pinned" here

@@ -14,12 +14,12 @@ import torch
 import torch.multiprocessing as mp
 
 import config
-import errors
-import processes
+from plumbing import errors
+from engines import processes
 import tasks
 import tba
 from buffer import ReplayBuffer
-from weights import WeightChannel
+from devices.weights import WeightChannel
 from tasks.toy import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ TRAINER_HOLDING_THE_LOCK = """
 import sys, time, torch, torch.multiprocessing as mp
 import config, processes, searcher, tasks
 from buffer import ReplayBuffer
-from weights import WeightChannel
+from devices.weights import WeightChannel
 cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])
 policy, tokenizer = tasks.make_task(cfg).load_model(torch.device("cpu"))
 buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, 1, cfg.max_new_tokens, n_prompts=2,

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
+from plumbing import checkpoint
 import config
-import models
-import weights
+from llm import models
+from devices import weights
 import tasks
 import tba
-import schedules
+from plumbing import schedules
 import trainer
 from batch import GroupBatch
 from buffer import ReplayBuffer, shared_bytes

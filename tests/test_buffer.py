@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-import rloo
+from options import rloo
 import trainer
 from batch import REFERENCE, GroupBatch
 from buffer import ReplayBuffer

@@ -112,7 +112,7 @@ def test_dry_run_prints_the_settings_that_differ_and_writes_nothing(tmp_path, ca
 def test_a_dry_run_times_nothing(tmp_path, monkeypatch):
     """--dtype auto on a CPU times a matmul to choose bfloat16 or float32: a run does, a dry run
     leaves it auto (the run that follows chooses)."""
-    import models
+    from llm import models
 
     def timed():
         raise AssertionError("a dry run timed a matmul")

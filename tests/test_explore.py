@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import config
-import exploration
-import logprobs
-import sampling
+from options import exploration
+from llm import logprobs
+from llm import sampling
 import searcher
-import sources
+from engines import sources
 import tasks
-import rloo
+from options import rloo
 import tba
 import trainer
 from batch import REFERENCE, GroupBatch

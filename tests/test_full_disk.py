@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
+from plumbing import checkpoint
 import tba
 
 TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]

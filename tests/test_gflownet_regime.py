@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import config
-import exploration
+from options import exploration
 import tba
 from batch import REFERENCE
-from learned_log_z import LearnedLogZ
-from schedules import make_optimizer, reward_temp_at
+from options.learned_log_z import LearnedLogZ
+from plumbing.schedules import make_optimizer, reward_temp_at
 from test_explore import synchronous_source
 from test_redteam import needs_scorers
 from test_trainer import random_batch, tiny_llama

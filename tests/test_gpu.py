@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 
-import logprobs
-import models
-import placement
+from llm import logprobs
+from llm import models
+from devices import placement
 import tba
 from tasks.toy import build_model, build_tokenizer
 from test_lag import sampled
 from test_trainer import plain_logprobs, random_batch, tiny_llama
-from logprobs import group_logprobs
+from llm.logprobs import group_logprobs
 
 pytestmark = pytest.mark.gpu
 TOY = ["--task", "toy", "--eval-every", "100", "--quiet"]       # --device auto: cuda:0

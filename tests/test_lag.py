@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-import logprobs
-import sampling
-import rloo
+from llm import logprobs
+from llm import sampling
+from options import rloo
 import searcher
-import sources
+from engines import sources
 import tasks
 import trainer
 from batch import GroupBatch
 from config import Config, resolve
-from policy_lag import Lag
+from options.policy_lag import Lag
 from test_trainer import tiny_llama
 from tasks.toy import build_model, build_tokenizer
 

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-import checkpoint
+from plumbing import checkpoint
 import tba
 
 TOY = ["--task", "toy", "--searchers", "0", "--eval-every", "2", "--save-every", "2", "--quiet"]

@@ -8,9 +8,9 @@ from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import sampling
-import models
-from models import DEFAULT_MODEL, ModelLoadError, load_model
+from llm import sampling
+from llm import models
+from llm.models import DEFAULT_MODEL, ModelLoadError, load_model
 
 WORDS = ["<unk>", "<eos>"] + "the a cat dog sat on mat is big small one two three".split()
 
@@ -200,7 +200,7 @@ def test_a_frozen_copy_scores_bit_for_bit_as_autocast_does(build):
     it is."""
     from tasks.toy import build_model, build_tokenizer
     from test_trainer import random_batch, tiny_llama
-    from logprobs import group_logprobs
+    from llm.logprobs import group_logprobs
     model = build_model(len(build_tokenizer())) if build == "gpt2" else tiny_llama()
     batch = random_batch(model.get_output_embeddings().out_features)
     frozen = models.frozen_copy(model, torch.bfloat16)
@@ -221,7 +221,7 @@ def test_the_static_cache_samples_what_the_prefix_cache_samples_and_the_trainer_
     (where RoPE leaves the keys in float32 beside bfloat16 values). Eager here: compiling is
     the GPU's."""
     from batch import GroupBatch
-    from logprobs import group_logprobs
+    from llm.logprobs import group_logprobs
     model, tokenizer = tiny_model_and_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     with torch.no_grad():

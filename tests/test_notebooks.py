@@ -13,7 +13,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-import draws  # noqa: E402
+from replay import draws  # noqa: E402
 import trainer  # noqa: E402
 from tasks.answers import extract_answer  # noqa: E402
 

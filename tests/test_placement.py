@@ -10,11 +10,11 @@ import torch
 import torch.multiprocessing as mp
 
 import config
-import placement
+from devices import placement
 import tba
 from fake_cuda import PINNED, FakeCuda, set_devices
 from tasks.toy import build_model, build_tokenizer
-from weights import WeightChannel, copy_weights, probe_logp
+from devices.weights import WeightChannel, copy_weights, probe_logp
 
 
 def fake_gpus(monkeypatch, count, log=None):

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
+from plumbing import checkpoint
 import config
-import run
+from plumbing import run
 import tasks
 import tba
 import trainer

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import config
-import models
+from llm import models
 import tba
 from tasks import make_task
 from tasks.summarize import (RewardModel, SimilarityReward, detokenize, read_aclsum, read_jsonl,

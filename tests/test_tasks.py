@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import sampling
-import models
+from llm import sampling
+from llm import models
 import tba
 import tasks
 from tasks import Prompt

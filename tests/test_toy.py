@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sampling
+from llm import sampling
 import tba
 from tasks.toy import (EOS, LETTERS, MODES, ToyTask, all_completions, build_model, build_tokenizer,
                        exact_logprobs)

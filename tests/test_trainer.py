@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-import sampling
-import models
+from llm import sampling
+from llm import models
 from batch import GroupBatch
 from tasks.toy import build_model, build_tokenizer
-from logprobs import (check_logprobs, completion_logprobs, enable_activation_checkpointing,
+from llm.logprobs import (check_logprobs, completion_logprobs, enable_activation_checkpointing,
                       group_logprobs)
-from rloo import rloo_loss
-from schedules import beta_at, make_optimizer, WSD
+from options.rloo import rloo_loss
+from plumbing.schedules import beta_at, make_optimizer, WSD
 from trainer import sequence_logprobs, tb_loss, train_step
 
 
@@ -345,7 +345,7 @@ def test_a_group_drawn_short_costs_nothing_for_its_padding(monkeypatch):
     """The buffer pads a group drawn with fewer than K completions (`keep` False): those slots
     get log-prob 0 and never reach the model, the kept ones keep their exact log-probs, and a
     step split so that some passes hold padding only is the whole step."""
-    import logprobs
+    from llm import logprobs
     model = tiny_llama()
     batch = random_batch(24)
     batch.keep = torch.tensor([[True, True, False, False], [True] * 4, [True, True, True, False]])
@@ -413,8 +413,8 @@ def test_a_trainer_step_and_a_decode_step_read_the_device_as_few_times_as_counte
     of the attention mask, once a pass; a decode step once (HF's test of unfinished sequences),
     on either cache. Held here so that a change cannot quietly add one back."""
     import batch as batch_module
-    import sampling
-    import schedules
+    from llm import sampling
+    from plumbing import schedules
     import trainer
     overhead = _overhead()
     model = overhead.tiny_llama(layers=2)

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-import draws  # noqa: E402
+from replay import draws  # noqa: E402
 import trainer  # noqa: E402
 
 

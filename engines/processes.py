@@ -13,7 +13,7 @@ from multiprocessing.connection import wait as wait_for_any
 import torch.multiprocessing as mp
 
 import searcher
-from errors import SearcherError
+from plumbing.errors import SearcherError
 
 
 class SearcherPool:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-from weights import copy_weights, shipped_state
+from plumbing import checkpoint
+from devices.weights import copy_weights, shipped_state
 
 
 class Lag:

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import config
-from checkpoint import WriteError
-from errors import NonFiniteError, SearcherError
+from plumbing import checkpoint
+from plumbing.checkpoint import WriteError
+from plumbing.errors import NonFiniteError, SearcherError
 
 
 def check_out_folder(cfg, try_writing=True):
@@ -54,49 +53,7 @@ def check_out_folder(cfg, try_writing=True):
                          "writable folder") from None
 
 
-# ---------------------------------------------------------------- resuming: settings and state
-def read_run_config(run):
-    """The settings stored in a run folder's config.json."""
-    path = Path(run) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
-                         "written by tba.py, such as runs/<name>")
-    try:
-        saved = json.loads(path.read_text())["config"]
-        assert isinstance(saved, dict)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
-    fields = {f.name for f in dataclasses.fields(config.Config)}
-    if set(saved) != fields:
-        differ = sorted(set(saved) ^ fields)
-        raise ValueError(f"{run} was written by an incompatible version of tba (settings "
-                         f"{', '.join(differ)} differ): resume it with that version")
-    return saved
-
-
-def resumed_config(cfg, given):
-    """The settings of the run in --resume, with the flags given again (RESUME_OVERRIDES) applied."""
-    run = Path(cfg.resume)
-    if not run.is_dir():
-        raise ValueError(f"--resume {run}: no such folder (pass a run folder, such as runs/<name>)")
-    saved = read_run_config(run)
-    allowed = ", ".join("--" + f.replace("_", "-") for f in config.RESUME_OVERRIDES)
-    for name in sorted(given - {"resume"}):
-        if name not in config.RESUME_OVERRIDES and getattr(cfg, name) != saved[name]:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} differs from the "
-                             f"resumed run's {saved[name]}: on resume only {allowed} may change; "
-                             "start a new run (--out) to change the rest")
-    latest = checkpoint.latest(run)
-    if latest is None:
-        raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
-                         "one): start it again with another --out, or delete the folder")
-    overrides = {name: getattr(cfg, name) for name in given if name in config.RESUME_OVERRIDES}
-    cfg = config.resolve(config.Config(**{**saved, **overrides, "resume": str(run),
-                                          "out": str(run)}))
-    if checkpoint.step_of(latest) >= cfg.steps:
-        raise ValueError(f"{run} is already at step {checkpoint.step_of(latest)}: pass --steps "
-                         "with a larger number to train it further")
-    return cfg
+# ---------------------------------------------------------------- resuming: the state
 
 
 @dataclass

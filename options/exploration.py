@@ -8,7 +8,7 @@ really sampled it: TB's fixed point does not depend on who sampled (trainer.tb_l
 """
 import torch
 
-import sampling
+from llm import sampling
 
 
 def draw(n_groups, temperature, search_temperature=None, reference_frac=0.0, explore_frac=1.0):

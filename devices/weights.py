@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import models
+from plumbing import checkpoint
+from llm import models
 
 
 class WeightChannel:
@@ -149,7 +149,7 @@ def probe_logp(model, dtype=torch.float32, length=4):
     """The log-prob of one fixed sequence (a prompt of `length` tokens and a completion of
     `length`) under the model, as the trainer scores: the trainer computes it for the weights
     it publishes, each searcher for the weights it loaded, and the two must agree. -> float"""
-    from logprobs import completion_logprobs       # trainer imports nothing of this module
+    from llm.logprobs import completion_logprobs       # trainer imports nothing of this module
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
     ids = (torch.arange(1, 2 * length + 1, device=device) * 7919) % vocab      # [2L]

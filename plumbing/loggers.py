@@ -20,7 +20,7 @@ import os
 import secrets
 from pathlib import Path
 
-import checkpoint
+from plumbing import checkpoint
 
 CHOICES = ("tensorboard", "wandb")
 INSTALL = "make install-loggers"

@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-import processes
+from engines import processes
 import searcher
 import tasks
-from async_source import AsyncSource
+from engines.async_source import AsyncSource
 from buffer import ReplayBuffer, shared_bytes
-from policy_lag import Lag
-from placement import check_shared_memory
-from ray_source import RaySearchers
-from replay_groups import ReplayGroups
-from weights import LoadLog, WeightChannel
+from options.policy_lag import Lag
+from devices.placement import check_shared_memory
+from engines.ray_source import RaySearchers
+from options.replay_groups import ReplayGroups
+from devices.weights import LoadLog, WeightChannel
 
 
 class InProcess:

@@ -13,11 +13,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import searcher
-from async_source import AsyncSource
-from errors import SearcherError
-from weights import copy_weights, shipped_state
+from engines.async_source import AsyncSource
+from plumbing.errors import SearcherError
+from devices.weights import copy_weights, shipped_state
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]      # the repository, shipped as working_dir
 
 
 def first_line(error):
