@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from replay import storage
+from replay.storage import Storage
 from batch import REFERENCE, GroupBatch
 from replay.draws import Pool, draw_without_replacement, groups_in
 
@@ -34,7 +34,7 @@ def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embeddin
     return n_prompts * (4 * P + 8) + capacity * (4 * R + 4 * (4 + D) + 5 * 8) + 8
 
 
-class ReplayBuffer:
+class ReplayBuffer(Storage):
     FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward", "ref_logp",
               "behaviour_logp", "embedding", "version", "prompt_index", "order", "draws",
               "search_temperature")
@@ -50,7 +50,7 @@ class ReplayBuffer:
         if min(C, K, P, R, N) < 1:
             raise ValueError("capacity, group_size, max_prompt_len, max_response_len, n_prompts "
                              "must be >= 1")
-        storage.check_policy(per_prompt, evict, merge_cosine, D)
+        self.check_policy(per_prompt, evict, merge_cosine, D)
         self.capacity, self.group_size, self.n_prompts = C, K, N
         self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
         self.per_prompt, self.evict = per_prompt or C, evict
@@ -123,7 +123,7 @@ class ReplayBuffer:
                           "behaviour_logp": each(behaviour_logp, torch.float32),
                           "version": each(version, torch.int64),
                           "search_temperature": each(search_temperature, torch.float32)}
-        storage.check_group(self, prompt, resp, lens, per_completion, prompt_index, embedding)
+        self.check_group(prompt, resp, lens, per_completion, prompt_index, embedding)
         # Build the padded rows outside the lock; only the copy into shared memory is locked.
         p_row = torch.full((P,), self.pad_id, dtype=torch.int32)              # [P]
         p_row[P - prompt.numel():] = prompt
@@ -138,7 +138,7 @@ class ReplayBuffer:
             # best first: of two near-duplicates in one group, the better one stays
             for i in per_completion["reward"].argsort(descending=True, stable=True).tolist():
                 completion = {name: t[i] for name, t in per_completion.items()}
-                stored += storage.store(self, prompt_index, r_rows[i], lens[i], completion,
+                stored += self.store(prompt_index, r_rows[i], lens[i], completion,
                                         None if embedding is None else embedding[i])
         return stored
 
@@ -265,7 +265,7 @@ class ReplayBuffer:
 
     def load_state_dict(self, state: dict, max_version: int) -> None:
         """Restore a `state_dict` of versions up to `max_version` (the checkpoint's step)."""
-        storage.check_state(self, state, versions=(REFERENCE, max_version))
+        self.check_state(state, versions=(REFERENCE, max_version))
         n_added = state["n_added"]
         with self._lock:
             for name in self.FIELDS:

@@ -77,9 +77,7 @@ class Config:
     max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
                                      f"{TASK_DEFAULT}", at_least(1))
     eval_batch_size: int = flag(64, "prompts per batch of evaluation: larger batches decode "
-                                    "faster (arith's 128 test prompts: 40 s in batches of 16, "
-                                    "34 s in 64, 29 s in 128, on 2 CPU cores) and hold more "
-                                    "memory", at_least(1))
+                                    "faster and hold more memory", at_least(1))
     eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
                                    "at --temperature and log their mean reward as "
                                    "eval/sampled_accuracy (0: greedy only); summarize, tldr: "

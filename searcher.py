@@ -25,19 +25,19 @@ from devices.weights import receive_weights
 
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
-                  temperature, version=0, stop_event=None, dtype=torch.float32, score_batch=0,
+                  temperature, version=0, stop_event=None, dtype=torch.float32, reference_pass=0,
                   search_temperature=None, reference_frac=0.0, explore_frac=1.0):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
     The batch carries log μ(y|x) of the distribution that sampled it, for the off-policy metrics
     however old the group is when trained on. With exploration (exploration.py) a group may be
     sampled at a temperature of its own, or by the reference; its rewards and reference
-    log-probs (scored at the trainer's `temperature`, `score_batch` sequences a pass, 0: all)
-    do not depend on how it was sampled. Everything runs under the trainer's autocast `dtype`.
+    log-probs (scored at the trainer's `temperature`, `reference_pass` completions a pass, 0:
+    all) do not depend on how it was sampled. Everything runs under the trainer's autocast `dtype`.
     """
     device = next(policy.parameters()).device
-    temperatures, from_reference = exploration.draw(len(prompts), temperature, search_temperature,
-                                                    reference_frac, explore_frac)  # [B], [B]
+    temperatures, from_reference = exploration.temperatures_and_samplers(
+        len(prompts), temperature, search_temperature, reference_frac, explore_frac)  # [B], [B]
     ids = [p.ids for p in prompts]
     with models.autocast(device, dtype):
         if from_reference.any():          # --reference-frac: the reference samples some groups
@@ -69,7 +69,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     if isinstance(info, dict) and "embeddings" in info:   # for the buffer's near-duplicate merge
         batch.embedding = torch.as_tensor(info["embeddings"]).view(len(prompts), group_size, -1)
     n_completions = len(prompts) * group_size
-    size = score_batch or n_completions
+    size = reference_pass or n_completions
     with models.autocast(device, dtype):
         ref_logp = [group_logprobs(ref_model, batch, temperature, completions=slice(s, s + size))
                     for s in range(0, n_completions, size)]                     # [size] each
@@ -77,7 +77,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     return batch, completions
 
 
-def score_batch(cfg):
+def reference_pass_size(cfg):
     """Completions per no-grad pass of the reference: the trainer's micro-batch (0: all B·K at
     once), but at least a whole group. A no-grad pass keeps no activations for backward, so a
     gradient pass's --micro-completions would only split it into many small passes (the paper
@@ -101,7 +101,7 @@ class Searcher:
         self.policy, self.tokenizer = self.task.load_model(device)
         self.dtype = getattr(torch, cfg.dtype)
         self.ref_model = models.frozen_copy(self.policy, self.dtype)
-        self.score_batch = score_batch(cfg)
+        self.reference_pass = reference_pass_size(cfg)
         self.batches = None
 
     def start(self, version):
@@ -126,7 +126,7 @@ class Searcher:
                                  max_new_tokens=self.cfg.max_new_tokens,
                                  temperature=self.cfg.temperature, version=version,
                                  stop_event=stop_event, dtype=self.dtype,
-                                 score_batch=self.score_batch,
+                                 reference_pass=self.reference_pass,
                                  search_temperature=self.cfg.search_temperature,
                                  reference_frac=self.cfg.reference_frac,
                                  explore_frac=self.cfg.search_temperature_frac)

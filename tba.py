@@ -27,7 +27,6 @@ from llm import logprobs
 from llm import models
 from devices import placement
 from plumbing import plot
-from engines import ray_source
 from plumbing import run
 from plumbing import schedules
 from engines import sources
@@ -56,7 +55,7 @@ def load(cfg):
     """Load the task, the policy and its frozen reference, the optimiser, the group source and,
     on --resume, the newest checkpoint: everything that can fail on bad input fails here, before
     anything is written."""
-    layout = placement.placement(cfg)
+    layout = placement.plan_layout(cfg)
     device = placement.set_up_process(layout.device, layout.threads)   # where tensors go
     transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
     torch.manual_seed(cfg.seed)
@@ -82,16 +81,12 @@ def load(cfg):
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
                                  tokenizer=tokenizer, prompts=prompts, layout=layout,
                                  interrupt=stop.check)
-    if isinstance(source, sources.SearcherProcesses) and not cfg.quiet:
-        print(f"shared memory: {source.shared_bytes / placement.GB:.2f} GB, the weight slots and "
-              "the replay buffer", flush=True)
     progress = run.Progress()
     if cfg.resume:
         progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
                                scheduler=scheduler, scaler=scaler, task=task, source=source,
                                log_z=log_z)
-    if cfg.ray:                           # last: nothing after it can fail on bad input
-        ray_source.connect_ray(cfg.ray, cfg.searchers)
+    source.connect(quiet=cfg.quiet)       # last (a Ray cluster): nothing after it can fail
     return Setup(layout=layout, task=task, policy=policy, tokenizer=tokenizer,
                  ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                  source=source, progress=progress, stop=stop, log_z=log_z)
@@ -151,6 +146,7 @@ def train(cfg, setup):
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
                 dtype=dtype, scaler=setup.scaler, reward_temp=reward_temp,
                 learned_log_z=setup.log_z)
+            placement.release_freed_heap(setup.layout.device)   # its activations, to the system
             train_s = time.time() - t0
             sync = (source.publish(policy, version=step) if step % cfg.sync_every == 0
                     else {"sync_s": 0.0})                  # seconds, of each leg too
@@ -223,7 +219,7 @@ def main(argv=None):
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
         print(config.describe(cfg, given, recipe=actions["recipe"],
                               recipe_steps=actions["recipe_steps"]), flush=True)
-        print(placement.describe(placement.placement(cfg)), flush=True)
+        print(placement.describe(placement.plan_layout(cfg)), flush=True)
         if actions["dry_run"]:
             return 0
         setup = load(cfg)

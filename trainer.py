@@ -11,7 +11,6 @@ import math
 import torch
 
 from llm import models
-from devices import placement
 from batch import GroupBatch
 from plumbing.errors import NonFiniteError
 from llm.logprobs import group_logprobs
@@ -124,7 +123,6 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
                  grad_norm=host["grad_norm"], lr_scale=lr_scale)
     if learned_log_z is not None:
         learned_log_z.step()
-    placement.release_freed_heap(device)     # the step's activations, back to the system
     return {
         "loss": host["loss"],
         "log_z": host.get("log_z"),                                     # RLOO has no log Z

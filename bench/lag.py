@@ -9,7 +9,7 @@
 
 Every run is `python tba.py --task TASK --lag L --loss LOSS --seed S` plus the task's flags
 below: the synchronous loop, whose groups are sampled by the policy as it was exactly L updates
-earlier (`sources.InProcess`). Prompts, seeds and everything else are the same at every L, so
+earlier (`sources.SynchronousSource`). Prompts, seeds and everything else are the same at every L, so
 the table shows what staleness alone costs each loss, free of replay and of process timing.
   tb        trajectory balance (`trainer.tb_loss`)
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction

@@ -145,11 +145,11 @@ def arith(reps):
     seconds, peaks = {name: [] for name in settings}, {name: [] for name in settings}
     for rep in range(reps + 1):
         for name, (micro_groups, after_step) in settings.items():
-            placement.release_freed_heap = after_step
             reset_peak_rss()
             start = time.time()
             trainer.train_step(model, optimizer, scheduler, batch, beta=0.2, temperature=0.7,
                                micro_groups=micro_groups, max_grad_norm=1.0)
+            after_step("cpu")                         # as tba.train does after each step
             if rep:                                   # the first round warms up
                 seconds[name].append(time.time() - start)
                 peaks[name].append((peak_rss(), rss()))

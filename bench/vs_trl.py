@@ -42,7 +42,7 @@ Matched (tba setting -> GRPOConfig field or GRPOTrainer argument):
   β -> beta (TB's target p_ref·exp(r/β) is the optimum of RL with KL coefficient β)
   AdamW and the WSD schedule -> optimizers=schedules.make_optimizer(...) (weight decay 0),
       learning_rate=lr (recorded only); --max-grad-norm -> max_grad_norm; steps -> max_steps
-  seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (placement.placement)
+  seed, CPU threads -> seed, use_cpu=True, torch.set_num_threads as tba-sync (placement.plan_layout)
   no checkpoints mid-run, log every step -> tba --save-every 0; save_strategy="no",
       logging_steps=1, report_to="none"
 The algorithm stays TRL's own: GRPO advantages scaled by the group's standard deviation
@@ -105,7 +105,7 @@ def run_trl(system, tba_argv):
     cfg = config.resolve(config.parse_args([*tba_argv, *SYSTEMS["tba-sync"]])[0])
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(placement.placement(cfg).threads)
+    torch.set_num_threads(placement.plan_layout(cfg).threads)
     torch.manual_seed(cfg.seed)
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))

@@ -68,7 +68,7 @@ def indexed(device):
     return f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
 
 
-def placement(cfg):
+def plan_layout(cfg):
     """The trainer on --device (indexed); the searchers on the other GPUs when there are two or
     more, on the one GPU or the CPU otherwise; the usable cores split evenly. Ray actors get
     `cuda:0` where Ray gives them a GPU (it sets CUDA_VISIBLE_DEVICES to theirs). -> Layout"""
@@ -145,7 +145,7 @@ def release_freed_heap(device):
     arith step, resident in the trainer between steps while the searchers need memory too;
     asking for it again costs the next step no measurable time (bench/memory.py arith). Without
     glibc (macOS, musl) there is no malloc_trim: nothing done."""
-    if device.type == "cpu" and hasattr(libc(), "malloc_trim"):
+    if torch.device(device).type == "cpu" and hasattr(libc(), "malloc_trim"):
         libc().malloc_trim(0)
 
 

@@ -36,9 +36,9 @@ def connect_ray(address, searchers):
     try:
         if address == "local":
             # Ray starts its workers at nice 15, to keep its own daemons responsive. A searcher
-            # is the run's heavy work, though: at nice 15 beside a busy trainer or another job it
-            # got a fortieth of the CPU here (0.85 s a toy batch instead of 0.02). Clusters made
-            # with `ray start` take the same variable (see the README).
+            # is the run's heavy work, though: at nice 15 beside a busy trainer or another job
+            # it gets a small share of the CPU. Clusters made with `ray start` take the same
+            # variable (see the README).
             os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=runtime_env,
                      logging_level=logging.WARNING)
@@ -97,6 +97,9 @@ class RaySearchers(AsyncSource):
         super().__init__(cfg, buffer, interrupt)
         self.ray, self.threads = ray, threads
         self.actors, self.requests = [], {}            # request reference -> searcher rank
+
+    def connect(self, quiet=False):
+        connect_ray(self.cfg.ray, self.cfg.searchers)
 
     def start(self, policy, version):
         ray = self.ray

@@ -4,6 +4,9 @@
 process. The training loop (`tba.train`) asks a *group source* for each step's batch and hands it
 new weights every --sync-every steps; it never touches processes, buffers or Ray itself:
 
+    source.connect(quiet)            what it needs before training (a Ray cluster), and a line on
+                                     what it holds (shared memory); last in `load`: bad input
+                                     found there is still found before anything is written
     source.start(policy, version)    searchers begin with these weights (version = steps so far)
     source.fill(progress)            wait until the first batch can be drawn
     source.next_batch(version)       -> (GroupBatch of --prompts-per-step groups, row metrics)
@@ -14,7 +17,7 @@ new weights every --sync-every steps; it never touches processes, buffers or Ray
     source.state_dict(), load_state_dict(state, step)   for checkpoints
     source.close()                   stop every searcher; nothing is left running
 
-    InProcess          --searchers 0: the trainer samples each batch itself, on-policy
+    SynchronousSource          --searchers 0: the trainer samples each batch itself, on-policy
                        (--lag L: with the weights of L updates ago, policy_lag.py;
                        --replay-groups n: n of the B groups replayed, replay_groups.py)
     SearcherProcesses  --searchers N: processes on this machine filling a shared-memory replay
@@ -33,13 +36,13 @@ import tasks
 from engines.async_source import AsyncSource
 from buffer import ReplayBuffer, shared_bytes
 from options.policy_lag import Lag
-from devices.placement import check_shared_memory
+from devices.placement import GB, check_shared_memory
 from engines.ray_source import RaySearchers
 from options.replay_groups import ReplayGroups
 from devices.weights import LoadLog, WeightChannel
 
 
-class InProcess:
+class SynchronousSource:
     """--searchers 0: each step samples B fresh groups from the trainer's own policy (with
     --lag, `lag` gives the model to sample with instead)."""
 
@@ -50,7 +53,7 @@ class InProcess:
             cfg, task, policy, ref_model, tokenizer)
         self.prompts = tasks.prompt_batches(prompts, 1, cfg.seed)    # one at a time
         self.prompts_used, self.last_prompts = 0, []
-        self.score_batch = searcher.score_batch(cfg)
+        self.reference_pass = searcher.reference_pass_size(cfg)
         self.lag = lag                    # a policy_lag.Lag with --lag, else None
         self.tokens = self.groups = 0
         self.infos = []
@@ -67,7 +70,7 @@ class InProcess:
             model, self.ref_model, self.tokenizer, self.task, prompts,
             group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, version=sampled, dtype=getattr(torch, cfg.dtype),
-            score_batch=self.score_batch, search_temperature=cfg.search_temperature,
+            reference_pass=self.reference_pass, search_temperature=cfg.search_temperature,
             reference_frac=cfg.reference_frac if reference_frac is None else reference_frac,
             explore_frac=cfg.search_temperature_frac)
         self.tokens += int(batch.response_len.sum())
@@ -77,6 +80,8 @@ class InProcess:
         return batch, {"trainer_wait_s": 0.0, "search_s": round(time.time() - t0, 4),
                        "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0,
                        **batch.sampling_metrics(version)}
+
+    def connect(self, quiet=False): pass                   # nothing to connect to
 
     def start(self, policy, version): pass                 # nothing runs beside the trainer
 
@@ -96,10 +101,8 @@ class InProcess:
         return {"prompts_used": self.prompts_used}
 
     def load_state_dict(self, state, step):
-        # The prompts an earlier synchronous session has seen (none if it ran searchers; a
-        # checkpoint from before --replay-groups counted batches of B).
-        self.prompts_used = state.get("prompts_used",
-                                      state.get("batches_used", 0) * self.cfg.prompts_per_step)
+        # The prompts an earlier synchronous session has seen (none if it ran searchers).
+        self.prompts_used = state.get("prompts_used", 0)
         for _ in range(self.prompts_used):
             next(self.prompts)
         if self.lag is not None:
@@ -115,6 +118,11 @@ class SearcherProcesses(AsyncSource):
         self.layout, self.weights, self.pool = layout, None, None
         self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
         self.loads = LoadLog(Path(cfg.out) / "weights.jsonl", getattr(torch, cfg.dtype))
+
+    def connect(self, quiet=False):
+        if not quiet:
+            print(f"shared memory: {self.shared_bytes / GB:.2f} GB, the weight slots and the "
+                  "replay buffer", flush=True)
 
     def start(self, policy, version):
         self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"),
@@ -152,7 +160,7 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     groups."""
     if not cfg.searchers:
         lag = Lag(cfg.lag, policy, cfg.out) if cfg.lag else None
-        source = InProcess(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag)
+        source = SynchronousSource(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag)
         if not cfg.replay_groups:
             return source
     longest = max(len(p.ids) for p in prompts)

@@ -1,5 +1,5 @@
 """Sampling: K completions per prompt with HF `generate`, and the log-probs of the distribution
-that sampled them (`SampleAt`, at no extra forward pass)."""
+that sampled them (`TemperatureAndLogMu`, at no extra forward pass)."""
 import os
 import shutil
 import sys
@@ -36,7 +36,7 @@ class StopOnEvent(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
 
 
-class SampleAt(LogitsProcessor):
+class TemperatureAndLogMu(LogitsProcessor):
     """Pure sampling at a temperature per row (a number, or [N, 1]: HF has one per call, so HF's
     is left at 1), recording log μ of every sampled token under the distribution that really
     drew it (these weights, this temperature, generation's own cache and precision). HF calls a
@@ -171,7 +171,7 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     stopping = StoppingCriteriaList([StopOnEvent(stop_event)] if stop_event is not None else [])
     if isinstance(temperature, torch.Tensor):                                  # [B] -> [B·n, 1]
         temperature = temperature.to(device).repeat_interleave(num_samples)[:, None]
-    sampler = SampleAt(temperature, record=with_logprobs)
+    sampler = TemperatureAndLogMu(temperature, record=with_logprobs)
     out = model.generate(input_ids=ids.repeat_interleave(num_samples, 0),       # [B·n, P + R]
                          attention_mask=mask.repeat_interleave(num_samples, 0),
                          past_key_values=past, generation_config=config,

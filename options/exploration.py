@@ -11,13 +11,14 @@ import torch
 from llm import sampling
 
 
-def draw(n_groups, temperature, search_temperature=None, reference_frac=0.0, explore_frac=1.0):
+def temperatures_and_samplers(n_groups, temperature, search_temperature=None, reference_frac=0.0,
+                              explore_frac=1.0):
     """How each of n groups is sampled: its temperature, U(LOW, HIGH) per group with
     `search_temperature` = (LOW, HIGH), else `temperature` (with `explore_frac` < 1 each group
     is drawn from U(LOW, HIGH) with that probability, else at `temperature`: GFlowNet
     red-teaming's half at U(0.5, 2), half at 1); and whether the frozen reference samples it
-    instead of the policy, with probability `reference_frac`. Random draws happen only for
-    what is asked, so a run without exploration samples exactly as before.
+    instead of the policy, with probability `reference_frac`. Random numbers are drawn only for
+    what is asked: a run without exploration consumes none here.
     -> temperatures [n] float32, from_reference [n] bool"""
     if search_temperature:
         low, high = search_temperature

@@ -18,7 +18,7 @@ from batch import GroupBatch
 
 
 class ReplayGroups:
-    """The group source: a `sources.InProcess` (`fresh`) whose batches are topped up with
+    """The group source: a `sources.SynchronousSource` (`fresh`) whose batches are topped up with
     replayed groups; everything but the batch and the state is the fresh source's."""
 
     def __init__(self, fresh, buffer):

@@ -5,161 +5,165 @@ saved state before it is loaded.
 - `dedup`: an exact copy of a stored completion of the prompt replaces it in place;
 - `merge_cosine`: a near-duplicate (embeddings with cosine >= merge_cosine) is kept only if it
   is better than the near ones stored, which then make way for it;
-- when the buffer, or the prompt's share of it (`per_prompt`), is full, `victim` evicts the
-  oldest completion (``evict="oldest"``) or the lowest reward (``"lowest"``: the best stay
-  however old they are).
+- when the buffer, or the prompt's share of it (`per_prompt`), is full, `slot_to_replace`
+  picks the oldest completion (``evict="oldest"``) or the lowest reward (``"lowest"``: the
+  best stay however old they are).
 """
 import numpy as np
 import torch
 
 
-def store(buffer, prompt_index, tokens, length, completion, embedding) -> bool:
-    """Store one completion (under the lock). -> whether it was stored
+class Storage:
+    """The storage policies of `ReplayBuffer`, which inherits them: it holds the fields
+    (`response_ids`, `reward`, `order`, ... and the settings `dedup`, `merge_cosine`, `evict`)
+    that these methods read and write, under its lock."""
 
-    dedup: an exact copy of a stored completion of the prompt replaces it in place (the
-    newest copy is kept, with its own version and log μ). merge_cosine: if stored
-    completions of the prompt are near it, the best of them is kept if it is at least as
-    good, and counts as found again (its age is renewed, so "oldest" eviction cannot take
-    what keeps being rediscovered); else they all make way for it."""
-    mine = torch.from_numpy(np.flatnonzero(buffer.prompt_index.numpy() == prompt_index))  # [m]
-    slot = None
-    if buffer.dedup:
-        same = mine[(buffer.response_len[mine] == length)
-                    & (buffer.response_ids[mine] == tokens).all(1)]          # [0 or 1]
-        slot = int(same[0]) if len(same) else None
-    if slot is None and buffer.merge_cosine:
-        is_near = buffer.embedding[mine] @ embedding >= buffer.merge_cosine    # [m]
-        near = mine[is_near]
-        if len(near):
-            best = int(near[buffer.reward[near].argmax()])
-            if buffer.reward[best] >= completion["reward"]:
-                buffer.order[best] = buffer.next_order()
-                return False
-            buffer.prompt_index[near] = -1                                   # made way
-            mine = mine[~is_near]
-    if slot is None:
-        slot = victim(buffer, mine, completion["reward"])
+    def store(self, prompt_index, tokens, length, completion, embedding) -> bool:
+        """Store one completion (under the lock). -> whether it was stored
+
+        dedup: an exact copy of a stored completion of the prompt replaces it in place (the
+        newest copy is kept, with its own version and log μ). merge_cosine: if stored
+        completions of the prompt are near it, the best of them is kept if it is at least as
+        good, and counts as found again (its age is renewed, so "oldest" eviction cannot take
+        what keeps being rediscovered); else they all make way for it."""
+        mine = torch.from_numpy(np.flatnonzero(self.prompt_index.numpy() == prompt_index))  # [m]
+        slot = None
+        if self.dedup:
+            same = mine[(self.response_len[mine] == length)
+                        & (self.response_ids[mine] == tokens).all(1)]          # [0 or 1]
+            slot = int(same[0]) if len(same) else None
+        if slot is None and self.merge_cosine:
+            is_near = self.embedding[mine] @ embedding >= self.merge_cosine    # [m]
+            near = mine[is_near]
+            if len(near):
+                best = int(near[self.reward[near].argmax()])
+                if self.reward[best] >= completion["reward"]:
+                    self.order[best] = self.next_order()
+                    return False
+                self.prompt_index[near] = -1                                   # made way
+                mine = mine[~is_near]
         if slot is None:
-            return False
-    buffer.response_ids[slot], buffer.response_len[slot] = tokens, length
-    for name, value in completion.items():
-        getattr(buffer, name)[slot] = value
-    if buffer.merge_cosine:
-        buffer.embedding[slot] = embedding
-    buffer.prompt_index[slot], buffer.order[slot] = prompt_index, buffer.next_order()
-    buffer.draws[slot] = 0
-    return True
+            slot = self.slot_to_replace(mine, completion["reward"])
+            if slot is None:
+                return False
+        self.response_ids[slot], self.response_len[slot] = tokens, length
+        for name, value in completion.items():
+            getattr(self, name)[slot] = value
+        if self.merge_cosine:
+            self.embedding[slot] = embedding
+        self.prompt_index[slot], self.order[slot] = prompt_index, self.next_order()
+        self.draws[slot] = 0
+        return True
 
+    def slot_to_replace(self, mine, reward) -> int | None:
+        """The slot a new completion of reward `reward` goes to (under the lock): a free one,
+        or one whose completion is evicted. `mine` [m]: the slots of its prompt. A prompt at
+        `per_prompt` evicts one of its own; a full buffer evicts the oldest of all ("oldest"),
+        or ("lowest") the lowest reward of the prompt holding the most. Among equal rewards the
+        oldest goes. -> None when "lowest" finds the new one worse than all its prompt holds."""
+        index = self.prompt_index.numpy()                                      # [C]
+        own = len(mine) >= self.per_prompt
+        if not own and (index < 0).any():
+            return int((index < 0).argmax())                                   # the first free
+        if own:
+            candidates = mine
+        elif self.evict == "oldest":                                           # of all stored
+            return int(np.where(index >= 0, self.order.numpy(), np.iinfo(np.int64).max).argmin())
+        else:
+            largest = self.counts(index >= 0).argmax()
+            own = largest == self.prompt_index[mine[0]] if len(mine) else False
+            candidates = torch.from_numpy(np.flatnonzero(index == largest))
+        if self.evict == "lowest":
+            lowest = self.reward[candidates].min()
+            if own and reward < lowest:
+                return None
+            candidates = candidates[self.reward[candidates] == lowest]
+        return int(candidates[self.order[candidates].argmin()])
 
-def victim(buffer, mine, reward) -> int | None:
-    """The slot a new completion of reward `reward` goes to (under the lock): a free one,
-    or one whose completion is evicted. `mine` [m]: the slots of its prompt. A prompt at
-    `per_prompt` evicts one of its own; a full buffer evicts the oldest of all ("oldest"),
-    or ("lowest") the lowest reward of the prompt holding the most. Among equal rewards the
-    oldest goes. -> None when "lowest" finds the new one worse than all its prompt holds."""
-    index = buffer.prompt_index.numpy()                                      # [C]
-    own = len(mine) >= buffer.per_prompt
-    if not own and (index < 0).any():
-        return int((index < 0).argmax())                                   # the first free
-    if own:
-        candidates = mine
-    elif buffer.evict == "oldest":                                           # of all stored
-        return int(np.where(index >= 0, buffer.order.numpy(), np.iinfo(np.int64).max).argmin())
-    else:
-        largest = buffer.counts(index >= 0).argmax()
-        own = largest == buffer.prompt_index[mine[0]] if len(mine) else False
-        candidates = torch.from_numpy(np.flatnonzero(index == largest))
-    if buffer.evict == "lowest":
-        lowest = buffer.reward[candidates].min()
-        if own and reward < lowest:
-            return None
-        candidates = candidates[buffer.reward[candidates] == lowest]
-    return int(candidates[buffer.order[candidates].argmin()])
+    @staticmethod
+    def check_policy(per_prompt, evict, merge_cosine, embedding_dim):
+        """The storage policy's settings (`ReplayBuffer`'s arguments) make sense."""
+        if evict not in ("oldest", "lowest"):
+            raise ValueError(f"evict must be 'oldest' or 'lowest', got {evict!r}")
+        if per_prompt < 0 or 0 < per_prompt < 2:
+            raise ValueError(f"per_prompt must be 0 (no bound) or >= 2, got {per_prompt}")
+        if merge_cosine and (not 0 < merge_cosine <= 1 or embedding_dim < 1):
+            raise ValueError(f"merge_cosine must be in (0, 1] with embedding_dim >= 1, got "
+                             f"{merge_cosine} and {embedding_dim}")
 
+    def check_group(self, prompt, resp, lens, per_completion, prompt_index, embedding):
+        """A group given to `ReplayBuffer.add` fits the buffer; ValueError saying how it does
+        not."""
+        P, R = self.max_prompt_len, self.max_response_len
+        k = resp.shape[0] if resp.dim() == 2 else -1
+        if prompt.dim() != 1 or not 1 <= prompt.numel() <= P:
+            raise ValueError(f"prompt_ids must be 1-D unpadded with length in [1, "
+                             f"max_prompt_len={P}], got shape {tuple(prompt.shape)}")
+        if k < 1 or resp.shape[1] > R:
+            raise ValueError(f"response_ids must be [k, r] with k >= 1 and r <= "
+                             f"max_response_len={R}, got shape {tuple(resp.shape)}")
+        for name, t in (("response_len", lens), *per_completion.items()):
+            if t.shape != (k,):
+                raise ValueError(f"{name} must have shape [{k}], got {tuple(t.shape)}")
+        if lens.min() < 1 or lens.max() > resp.shape[1]:
+            raise ValueError(f"response_len must lie in [1, {resp.shape[1]}], got {lens.tolist()}")
+        if not 0 <= prompt_index < self.n_prompts:
+            raise ValueError(f"prompt_index must be in [0, n_prompts={self.n_prompts}), got "
+                             f"{prompt_index}")
+        if self.merge_cosine and embedding is None:
+            raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
 
-def check_policy(per_prompt, evict, merge_cosine, embedding_dim):
-    """The storage policy's settings (`ReplayBuffer`'s arguments) make sense."""
-    if evict not in ("oldest", "lowest"):
-        raise ValueError(f"evict must be 'oldest' or 'lowest', got {evict!r}")
-    if per_prompt < 0 or 0 < per_prompt < 2:
-        raise ValueError(f"per_prompt must be 0 (no bound) or >= 2, got {per_prompt}")
-    if merge_cosine and (not 0 < merge_cosine <= 1 or embedding_dim < 1):
-        raise ValueError(f"merge_cosine must be in (0, 1] with embedding_dim >= 1, got "
-                         f"{merge_cosine} and {embedding_dim}")
-
-
-def check_group(buffer, prompt, resp, lens, per_completion, prompt_index, embedding):
-    """A group given to `ReplayBuffer.add` fits the buffer; ValueError saying how it does not."""
-    P, R = buffer.max_prompt_len, buffer.max_response_len
-    k = resp.shape[0] if resp.dim() == 2 else -1
-    if prompt.dim() != 1 or not 1 <= prompt.numel() <= P:
-        raise ValueError(f"prompt_ids must be 1-D unpadded with length in [1, "
-                         f"max_prompt_len={P}], got shape {tuple(prompt.shape)}")
-    if k < 1 or resp.shape[1] > R:
-        raise ValueError(f"response_ids must be [k, r] with k >= 1 and r <= "
-                         f"max_response_len={R}, got shape {tuple(resp.shape)}")
-    for name, t in (("response_len", lens), *per_completion.items()):
-        if t.shape != (k,):
-            raise ValueError(f"{name} must have shape [{k}], got {tuple(t.shape)}")
-    if lens.min() < 1 or lens.max() > resp.shape[1]:
-        raise ValueError(f"response_len must lie in [1, {resp.shape[1]}], got {lens.tolist()}")
-    if not 0 <= prompt_index < buffer.n_prompts:
-        raise ValueError(f"prompt_index must be in [0, n_prompts={buffer.n_prompts}), got "
-                         f"{prompt_index}")
-    if buffer.merge_cosine and embedding is None:
-        raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
-
-
-def check_state(buffer, state, versions):
-    """A replay buffer's saved state could have come from `buffer` (buffer.ReplayBuffer) with
-    weight versions in `versions` (lowest, highest: the reference's, the checkpoint's step): a
-    file with the right shapes but impossible values would otherwise be trained on, or crash a
-    searcher much later. Raises ValueError saying what is wrong."""
-    lowest, highest = versions
-    if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
-        raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
-                         "buffer of completions) and cannot be loaded: resume it with the "
-                         "tba of its time, or start the run again")
-    for name in buffer.FIELDS:
-        if name not in state:
-            raise ValueError(f"buffer state_dict is missing '{name}'")
-        want, got = getattr(buffer, name), state[name]
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
-                f"{_describe(want)} (capacity={buffer.capacity}, n_prompts={buffer.n_prompts}, "
-                f"max_prompt_len={buffer.max_prompt_len}, "
-                f"max_response_len={buffer.max_response_len})")
-    n_added = state.get("n_added")
-    if not isinstance(n_added, int) or n_added < 0:
-        raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
-    stored = state["prompt_index"] >= 0                                    # [C]
-    filled = {name: state[name][stored] for name in (
-        "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
-        "order", "draws")}
-    seen = state["prompt_len"][filled["prompt_index"].clamp(0, buffer.n_prompts - 1)]
-    rules = [  # (what is wrong, the offending values) for the stored completions
-        (f"versions outside [{lowest}, {highest}]",
-         filled["version"][(filled["version"] < lowest) | (filled["version"] > highest)]),
-        (f"prompt indices outside [0, {buffer.n_prompts})",
-         filled["prompt_index"][filled["prompt_index"] >= buffer.n_prompts]),
-        (f"prompt lengths outside [1, {buffer.max_prompt_len}]",
-         seen[(seen < 1) | (seen > buffer.max_prompt_len)]),
-        (f"response lengths outside [1, {buffer.max_response_len}]",
-         filled["response_len"][(filled["response_len"] < 1)
-                                | (filled["response_len"] > buffer.max_response_len)]),
-        ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
-        ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
-        ("infinite behaviour log-probs", filled["behaviour_logp"][
-            filled["behaviour_logp"].isinf()]),
-        ("negative draw counts", filled["draws"][filled["draws"] < 0]),
-        (f"insertion orders outside [0, {n_added})",
-         filled["order"][(filled["order"] < 0) | (filled["order"] >= n_added)]),
-    ]
-    for problem, values in rules:
-        if values.numel():
-            raise ValueError(f"buffer state_dict holds {problem}: "
-                             f"{values.flatten()[:3].tolist()}")
+    def check_state(self, state, versions):
+        """A replay buffer's saved state could have come from this buffer, with
+        weight versions in `versions` (lowest, highest: the reference's, the checkpoint's step): a
+        file with the right shapes but impossible values would otherwise be trained on, or crash a
+        searcher much later. Raises ValueError saying what is wrong."""
+        lowest, highest = versions
+        if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
+            raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
+                             "buffer of completions) and cannot be loaded: resume it with the "
+                             "tba of its time, or start the run again")
+        for name in self.FIELDS:
+            if name not in state:
+                raise ValueError(f"buffer state_dict is missing '{name}'")
+            want, got = getattr(self, name), state[name]
+            if (not isinstance(got, torch.Tensor) or got.shape != want.shape
+                    or got.dtype != want.dtype):
+                raise ValueError(
+                    f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
+                    f"{_describe(want)} (capacity={self.capacity}, n_prompts={self.n_prompts}, "
+                    f"max_prompt_len={self.max_prompt_len}, "
+                    f"max_response_len={self.max_response_len})")
+        n_added = state.get("n_added")
+        if not isinstance(n_added, int) or n_added < 0:
+            raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
+        stored = state["prompt_index"] >= 0                                    # [C]
+        filled = {name: state[name][stored] for name in (
+            "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
+            "order", "draws")}
+        seen = state["prompt_len"][filled["prompt_index"].clamp(0, self.n_prompts - 1)]
+        rules = [  # (what is wrong, the offending values) for the stored completions
+            (f"versions outside [{lowest}, {highest}]",
+             filled["version"][(filled["version"] < lowest) | (filled["version"] > highest)]),
+            (f"prompt indices outside [0, {self.n_prompts})",
+             filled["prompt_index"][filled["prompt_index"] >= self.n_prompts]),
+            (f"prompt lengths outside [1, {self.max_prompt_len}]",
+             seen[(seen < 1) | (seen > self.max_prompt_len)]),
+            (f"response lengths outside [1, {self.max_response_len}]",
+             filled["response_len"][(filled["response_len"] < 1)
+                                    | (filled["response_len"] > self.max_response_len)]),
+            ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
+            ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
+            ("infinite behaviour log-probs", filled["behaviour_logp"][
+                filled["behaviour_logp"].isinf()]),
+            ("negative draw counts", filled["draws"][filled["draws"] < 0]),
+            (f"insertion orders outside [0, {n_added})",
+             filled["order"][(filled["order"] < 0) | (filled["order"] >= n_added)]),
+        ]
+        for problem, values in rules:
+            if values.numel():
+                raise ValueError(f"buffer state_dict holds {problem}: "
+                                 f"{values.flatten()[:3].tolist()}")
 
 
 def _describe(value):

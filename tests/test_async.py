@@ -105,7 +105,8 @@ def test_publishes_alternate_slots_so_a_reader_never_blocks_the_trainer():
 
 TRAINER_HOLDING_THE_LOCK = """
 import sys, time, torch, torch.multiprocessing as mp
-import config, processes, searcher, tasks
+import config, searcher, tasks
+from engines import processes
 from buffer import ReplayBuffer
 from devices.weights import WeightChannel
 cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1", "--out", sys.argv[1]])[0])

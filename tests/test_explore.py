@@ -30,13 +30,13 @@ def toy_setup(*flags):
 
 
 def test_exploration_draws_nothing_when_off():
-    """Without exploration no random number is drawn: runs sample exactly as before."""
+    """Without exploration no random number is drawn: a run samples what it sampled without the option."""
     state = torch.get_rng_state()
-    temperatures, from_reference = exploration.draw(5, 0.7)
+    temperatures, from_reference = exploration.temperatures_and_samplers(5, 0.7)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(temperatures, torch.full((5,), 0.7)) and not from_reference.any()
     torch.manual_seed(0)
-    temperatures, from_reference = exploration.draw(1000, 1.0, (0.5, 2.0), 0.25)
+    temperatures, from_reference = exploration.temperatures_and_samplers(1000, 1.0, (0.5, 2.0), 0.25)
     assert 0.5 <= temperatures.min() and temperatures.max() <= 2.0
     assert 0.2 < from_reference.float().mean() < 0.3
 

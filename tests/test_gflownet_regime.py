@@ -99,7 +99,7 @@ def test_learned_log_z_takes_one_gradient_descent_step_however_the_batch_is_spli
 
 def test_half_the_groups_at_a_drawn_temperature():
     torch.manual_seed(0)
-    temperatures, _ = exploration.draw(2000, 1.0, (0.5, 2.0), explore_frac=0.5)
+    temperatures, _ = exploration.temperatures_and_samplers(2000, 1.0, (0.5, 2.0), explore_frac=0.5)
     at_one = temperatures == 1.0
     assert 0.45 < at_one.float().mean() < 0.55
     drawn = temperatures[~at_one]

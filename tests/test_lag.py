@@ -147,7 +147,7 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
 
 
 def lagged_source(lag, out):
-    """An InProcess source of the toy task with --lag `lag`, and the policy it lags behind. In
+    """An SynchronousSource source of the toy task with --lag `lag`, and the policy it lags behind. In
     float32, not --dtype auto: the tests compare with their own float32 forward passes, and auto
     picks bfloat16 autocast on a CPU with native bfloat16 (log-probs then differ by ~1e-3)."""
     cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8,
@@ -155,7 +155,7 @@ def lagged_source(lag, out):
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     ref_model = copy.deepcopy(policy).requires_grad_(False)
-    source = sources.InProcess(cfg, task, policy, ref_model, tokenizer,
+    source = sources.SynchronousSource(cfg, task, policy, ref_model, tokenizer,
                                task.prompts("train", tokenizer),
                                lag=Lag(lag, policy, out) if lag else None)
     return cfg, source, policy

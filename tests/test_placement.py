@@ -81,7 +81,7 @@ def test_every_process_sets_itself_up_on_the_device_it_was_given(gpus, monkeypat
     log = tmp_path / "set_device.log"
     fake = fake_gpus(monkeypatch, gpus, log)
     cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "3"])[0])
-    layout = placement.placement(cfg)
+    layout = placement.plan_layout(cfg)
     for device in [layout.device, *layout.searcher_devices]:
         assert placement.set_up_process(device, layout.threads) == torch.device("cpu")
         assert fake.current == torch.device(device).index
@@ -174,9 +174,9 @@ def test_the_probe_tells_a_failed_sync():
 def test_the_reference_scores_at_least_a_group_a_pass():
     """A no-grad pass keeps no activations: the reference is not split into --micro-completions
     passes (the paper recipe: 7 passes of 20, not 35 of 4); without that flag nothing changes."""
-    from searcher import score_batch
+    from searcher import reference_pass_size
     parse = lambda *args: config.resolve(config.parse_args(["--task", "toy", *args])[0])
-    assert score_batch(parse("--group-size", "20", "--micro-completions", "4")) == 20
-    assert score_batch(parse("--group-size", "4", "--micro-completions", "8")) == 8
-    assert score_batch(parse("--group-size", "8", "--micro-groups", "1")) == 8
-    assert score_batch(parse("--micro-groups", "0")) == 0                  # all at once
+    assert reference_pass_size(parse("--group-size", "20", "--micro-completions", "4")) == 20
+    assert reference_pass_size(parse("--group-size", "4", "--micro-completions", "8")) == 8
+    assert reference_pass_size(parse("--group-size", "8", "--micro-groups", "1")) == 8
+    assert reference_pass_size(parse("--micro-groups", "0")) == 0                  # all at once
