@@ -1,9 +1,9 @@
 """Replay buffer of completions, shared between processes; groups are formed when drawn.
 
-`add_batch` stores each searched completion in a slot of its own, beside the other completions
-of its prompt (what is kept, and what makes way: storage.py). `sample` forms each trained group
-when drawn: a prompt, then up to K of its completions, with probability m among the newest
-weights' (recency), else by reward or uniformly (draws.py). A group may mix weight versions and
+`add_batch` stores each searched completion in a slot of its own, beside the other completions of
+its prompt (what is kept, and what makes way: replay/storage.py). `sample` forms each trained group
+when drawn: a prompt, then up to K of its completions, with probability m among the newest weights'
+(recency), else by reward or uniformly (replay/draws.py). A group may mix weight versions and
 temperatures: each completion carries its own behaviour log-prob and version.
 
 Every field is a fixed-size tensor in shared memory, so a searcher process started with `spawn`
@@ -81,7 +81,7 @@ class ReplayBuffer(Storage):
 
     # Selection runs in NumPy, on views of the shared tensors (`.numpy()` shares their memory):
     # on 50,000 completions its masks and searches cost a seventh of torch's per call. The
-    # weights and random picks of a draw are in draws.py.
+    # weights and random picks of a draw are in replay/draws.py.
 
     def _available(self, min_version, max_reuse):
         """[C] bool (NumPy): the completions that may be drawn: stored, fresh enough (a

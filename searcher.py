@@ -30,10 +30,11 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
     The batch carries log μ(y|x) of the distribution that sampled it, for the off-policy metrics
-    however old the group is when trained on. With exploration (exploration.py) a group may be
-    sampled at a temperature of its own, or by the reference; its rewards and reference
+    however old the group is when trained on. With exploration (options/exploration.py) a group
+    may be sampled at a temperature of its own, or by the reference; its rewards and reference
     log-probs (scored at the trainer's `temperature`, `reference_pass` completions a pass, 0:
-    all) do not depend on how it was sampled. Everything runs under the trainer's autocast `dtype`.
+    all) do not depend on how it was sampled. Everything runs under the trainer's autocast
+    `dtype`.
     """
     device = next(policy.parameters()).device
     temperatures, from_reference = exploration.temperatures_and_samplers(

@@ -7,8 +7,8 @@ This file is the algorithm, top to bottom: the settings (`config.py`), then `loa
 policy and its frozen reference, the optimiser and the source of groups, then `train`: draw B
 groups of K scored completions, take a trajectory-balance step (`trainer.tb_loss`), ship the
 weights to the searchers every k steps, repeat; the trained model ends in runs/<name>/final.
-Where the groups come from (this process, searcher processes, Ray actors) is `sources.py`'s
-business; the run folder, resuming, stopping and failures are `run.py`'s.
+Where the groups come from (this process, searcher processes, Ray actors) is the business of
+`engines/sources.py`; the run folder, resuming, stopping and failures are `plumbing/run.py`'s.
 """
 import sys
 import time
@@ -45,7 +45,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     scheduler: object                 # the learning rate's warmup-stable-decay schedule
     scaler: torch.amp.GradScaler      # loss scaling, on with --dtype float16 only
-    source: object                    # where each step's groups come from (sources.py)
+    source: object                    # where each step's groups come from (engines/sources.py)
     progress: run.Progress            # step, samples, tokens, ... (a checkpoint's on --resume)
     stop: run.StopRequests            # Ctrl-C or kill: stop at the end of the step
     log_z: learned_log_z.LearnedLogZ | None = None   # --log-z learned; None: the group estimate

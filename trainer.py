@@ -1,10 +1,10 @@
-"""The trainer: the sequence log-probs, the trajectory-balance loss, the schedules, one step.
+"""The trainer: the sequence log-probs, the trajectory-balance loss, one optimiser step.
 
 Everything here works on *groups*: B prompts with K completions each, so every per-trajectory
 tensor is shaped [B, K]. The batch layout is `batch.GroupBatch`, whether it comes straight from
 the synchronous loop or from the replay buffer. Seams: the log-probs of a step come from
 `logprobs.group_logprobs` (the fast path, equal to `sequence_logprobs`); `--loss` other than tb
-is `rloo.py`'s.
+is `options/rloo.py`'s.
 """
 import math
 
@@ -50,8 +50,8 @@ def tb_loss(logp, ref_logp, reward, beta, keep=None, log_z=None):
     residual log p_θ − log p_ref − r/β equal to one constant per prompt, does not depend on
     which ones meet. `keep` [B, K] bool: only these completions count (a group drawn with
     fewer than K is padded), the means taken over them. `log_z` [B]: a learned log Z of each
-    group's prompt (learned_log_z.py), trained by this loss too, used instead of log Ẑ (NaN
-    entries: not learned yet, log Ẑ instead). Returns (loss, log_z [B]).
+    group's prompt (options/learned_log_z.py), trained by this loss too, used instead of log Ẑ
+    (NaN entries: not learned yet, log Ẑ instead). Returns (loss, log_z [B]).
     """
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep    # [B, K]
     n = keep.sum(1)                                             # [B]

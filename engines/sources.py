@@ -18,10 +18,10 @@ new weights every --sync-every steps; it never touches processes, buffers or Ray
     source.close()                   stop every searcher; nothing is left running
 
     SynchronousSource          --searchers 0: the trainer samples each batch itself, on-policy
-                       (--lag L: with the weights of L updates ago, policy_lag.py;
-                       --replay-groups n: n of the B groups replayed, replay_groups.py)
+                       (--lag L: with the weights of L updates ago, options/policy_lag.py;
+                       --replay-groups n: n of the B groups replayed, options/replay_groups.py)
     SearcherProcesses  --searchers N: processes on this machine filling a shared-memory replay
-                       buffer, weights through shared-memory slots (weights.py)
+                       buffer, weights through shared-memory slots (devices/weights.py)
     RaySearchers       --searchers N --ray ADDRESS: Ray actors anywhere (ray_source.py)
 """
 import time

@@ -1,4 +1,4 @@
-"""Fast tests for models.py: tiny in-code models, plus the real SmolLM2 from its cached HF folder."""
+"""Fast tests for llm/models.py: tiny in-code models, plus the real SmolLM2 from its cached HF folder."""
 import copy
 import importlib.util
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_worker_niceness"] = "0"        # as `--ray local` does (see sources.py)
+    os.environ["RAY_worker_niceness"] = "0"        # as `--ray local` does (engines/ray_source.py)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
