@@ -11,6 +11,7 @@ written: a bad value is one `error:` line (exit 2) that says how to fix it.
 """
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -18,7 +19,7 @@ import os
 import re
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,31 +28,9 @@ import tasks
 from devices import placement
 from llm import models
 from plumbing import checkpoint, loggers
-from tasks import scorers
+from plumbing.flags import POSITIVE, TASK_DEFAULT, at_least, flag, one_of, within
 
 
-def flag(default, help, valid=None, bare=None):
-    """A Config field: its default, its --help text and, for numbers and choices, the rule its
-    value must follow (`valid`), checked by `check_ranges` before anything is loaded. A flag with
-    a `bare` value may be given without one (`--ray` means `--ray local`)."""
-    return field(default=default, metadata={"help": help, "valid": valid, "bare": bare})
-
-
-# Rules for `flag(valid=...)`: (test, how the valid values read in an error and in --help).
-def at_least(low):
-    return (lambda v: v >= low), f"at least {low}"
-
-
-def within(low, high):
-    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
-
-
-def one_of(*choices):
-    return (lambda v: v in choices), "one of " + ", ".join(choices)
-
-
-POSITIVE = (lambda v: v > 0), "greater than 0"
-TASK_DEFAULT = "(default: the task's choice)"
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
 # runs. Everything else would make the resumed run a different experiment.
 RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_samples",
@@ -67,47 +46,6 @@ class Config:
                             + ", or your own Task subclass as module:Class")
     model: str = flag("", "hub id, local HF folder or .gguf file (default: the task's model, "
                           f"{models.DEFAULT_MODEL} for language tasks)")
-    trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
-    data_dir: str = flag("", "gsm8k, summarize, tldr: folder holding train.jsonl and test.jsonl "
-                             "(gsm8k default: ../shared/data/gsm8k when it exists, else the "
-                             "hub's openai/gsm8k)")
-    prompt_style: str = flag("auto", "language tasks: chat (the tokenizer's chat template) or "
-                                     "plain ('[MATH TASK] Problem: ...', '...\\nTL;DR:'); auto: "
-                                     "chat when the tokenizer has a chat template", one_of("auto", "chat", "plain"))
-    max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
-                                     f"{TASK_DEFAULT}", at_least(1))
-    eval_batch_size: int = flag(64, "prompts per batch of evaluation: larger batches decode "
-                                    "faster and hold more memory", at_least(1))
-    eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
-                                   "at --temperature and log their mean reward as "
-                                   "eval/sampled_accuracy (0: greedy only); summarize, tldr: "
-                                   "summaries sampled per test text for eval/win_rate and "
-                                   f"eval/kl (at least 1) {TASK_DEFAULT}",
-                             at_least(0))
-    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}",
-                             within(1, 9))
-    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}", within(1, 20))
-    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}",
-                          ((lambda v: v and set(v) <= set("+-*")), "made of + - *"))
-    dataset: str = flag(None, "summarize, tldr: aclsum (packaged), or a hub dataset of prompt "
-                              "and completion (or label) rows, e.g. trl-lib/tldr; --data-dir "
-                              f"takes local jsonl files instead {TASK_DEFAULT}")
-    reward_model: str = flag("similarity", "summarize, tldr: similarity (a stand-in: MiniLM "
-                                           "cosine to the reference, minus a length term), or a "
-                                           "hub id or folder of a one-output sequence classifier, "
-                                           "e.g. cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
-    judge_model: str = flag("", "summarize, tldr: scores eval/win_rate (default: --reward-model; "
-                                "the paper judges with a larger 'gold' reward model)")
-    victim_model: str = flag("", "redteam: the frozen chatbot that answers each attack: hub id, "
-                                 f"local HF folder or .gguf file (default: {models.DEFAULT_MODEL})")
-    victim_samples: int = flag(None, f"redteam: answers per attack {TASK_DEFAULT}", at_least(1))
-    victim_max_new_tokens: int = flag(None, f"redteam: longest answer, in tokens {TASK_DEFAULT}",
-                                      at_least(1))
-    toxicity_model: str = flag(scorers.DEFAULT_TOXICITY,
-                               "redteam: scores the answers: the packaged Jigsaw classifier "
-                               "(word-level: insults, profanity), or a hub id or local folder of "
-                               "a transformers sequence classifier, e.g. "
-                               "facebook/roberta-hate-speech-dynabench-r4-target")
     # how much
     steps: int = flag(None, f"trainer steps {TASK_DEFAULT}", at_least(1))
     prompts_per_step: int = flag(None, f"B, prompts (groups) per trainer step {TASK_DEFAULT}",
@@ -272,6 +210,43 @@ class Config:
 
 
 
+@functools.cache
+def settings_class(task):
+    """The dataclass of a run of `task`: Config's fields, then the task's own (`Task.Settings`).
+    Its instances pickle as their values, so that a spawned searcher rebuilds the class."""
+    own = tasks.task_class(task).Settings
+    return dataclasses.make_dataclass(
+        f"{own.__name__}AndConfig", [], bases=(own, Config),
+        namespace={"__reduce__": lambda self: (rebuilt, (dataclasses.asdict(self),)),
+                   "__module__": __name__})
+
+
+def rebuilt(values):
+    """Unpickling a run's settings: their class is made at run time, so they travel as values."""
+    return settings(**values)
+
+
+def settings(**values):
+    """A run's settings from flag values (those its task does not declare left out). -> the
+    instance of `settings_class(values["task"])`"""
+    cls = settings_class(values.get("task", "toy"))
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def task_fields(own_task=None):
+    """Every task's own settings, once each, with the Settings class that declares it first:
+    -> {name: (field, class)}, in the order of tasks.TASKS, then `own_task`'s (a module:Class)."""
+    found = {}
+    for name in [*tasks.TASKS, *([own_task] if own_task and ":" in own_task else [])]:
+        for cls in reversed(tasks.task_class(name).Settings.__mro__):
+            if dataclasses.is_dataclass(cls):
+                for f in dataclasses.fields(cls):
+                    if f.name in cls.__dict__.get("__annotations__", {}):
+                        found.setdefault(f.name, (f, cls))
+    return found
+
+
 # The groups in which `describe` prints the settings: each starts at its first field.
 SECTIONS = {"task": "what to train", "steps": "how much", "loss": "the objective",
             "lr": "the optimiser", "searchers": "asynchrony", "eval_every": "evaluation and output"}
@@ -291,26 +266,18 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see python tba.py --help)")
 
 
-def build_parser(with_defaults=True):
+def build_parser(with_defaults=True, own_task=None):
     parser = ArgumentParser(
         description="tba: Trajectory Balance with Asynchrony, on one machine",
         epilog="python tba.py plot RUN [RUN ...] draws the curves of one or several runs")
     for f in dataclasses.fields(Config):
-        name = "--" + f.name.replace("_", "-")
-        valid = f.metadata["valid"]
-        help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
-                + (f" (default: {f.default})" if f.default not in (None, "") else ""))
-        default = f.default if with_defaults else argparse.SUPPRESS
-        if f.type is bool:               # on/off, or --x/--no-x when the task chooses
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
-        elif f.type is list:             # two numbers
-            parser.add_argument(name, type=float, nargs=2, metavar=("LOW", "HIGH"),
-                                default=default, help=help)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type.__name__]
-            bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
-            parser.add_argument(name, type=kind, default=default, help=help, **bare)
+        add_flag(parser, f, with_defaults)
+    groups = {}
+    for f, cls in task_fields(own_task).values():
+        if cls not in groups:
+            groups[cls] = parser.add_argument_group(
+                "settings of " + cls.__doc__.strip().rstrip("."))
+        add_flag(groups[cls], f, with_defaults)
     parser.add_argument("--config", metavar="FILE.toml", default=None if with_defaults
                         else argparse.SUPPRESS, help=ACTIONS["config"])
     parser.add_argument("--dry-run", action="store_true", default=False if with_defaults
@@ -318,13 +285,40 @@ def build_parser(with_defaults=True):
     return parser
 
 
+def add_flag(parser, f, with_defaults):
+    """One settings field as a command-line flag."""
+    name = "--" + f.name.replace("_", "-")
+    valid = f.metadata["valid"]
+    help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
+            + (f" (default: {f.default})" if f.default not in (None, "") else ""))
+    default = f.default if with_defaults else argparse.SUPPRESS
+    if f.type is bool:               # on/off, or --x/--no-x when the task chooses
+        action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
+    elif f.type is list:             # two numbers
+        parser.add_argument(name, type=float, nargs=2, metavar=("LOW", "HIGH"),
+                            default=default, help=help)
+    else:
+        kind = {"int": int, "float": float, "str": str}[f.type.__name__]
+        bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
+        parser.add_argument(name, type=kind, default=default, help=help, **bare)
+
+
+def task_named_in(argv):
+    """The --task of a command line, if it names one, read before the whole line is parsed."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task")
+    return pre.parse_known_args(argv)[0].task
+
+
 def parse_args(argv=None):
     """-> (Config, names of the fields set by the command line or the recipe, actions)
 
     actions: {"config": the recipe's path or None, "dry_run": bool, "recipe": the recipe's
     values that the command line left in place ({} without one)}."""
-    values = vars(build_parser().parse_args(argv))
-    given = set(vars(build_parser(with_defaults=False).parse_args(argv)))
+    task = task_named_in(argv)                    # your own module:Class brings its flags
+    values = vars(build_parser(own_task=task).parse_args(argv))
+    given = set(vars(build_parser(with_defaults=False, own_task=task).parse_args(argv)))
     actions = {name: values.pop(name) for name in ACTIONS}
     given -= set(ACTIONS)
     actions["recipe"], actions["recipe_steps"] = {}, None
@@ -334,7 +328,13 @@ def parse_args(argv=None):
         actions["recipe_steps"] = recipe.get("steps")     # what its schedule was planned for
         values.update(actions["recipe"])
         given |= set(recipe)
-    return Config(**values), given, actions
+    names = {f.name for f in dataclasses.fields(settings_class(values["task"]))}
+    for name in sorted(given - names):
+        owners = [t for t in tasks.TASKS
+                  if name in {f.name for f in dataclasses.fields(tasks.task_class(t).Settings)}]
+        raise ValueError(f"--{name.replace('_', '-')} is a setting of {', '.join(owners)}, not "
+                         f"of --task {values['task']}: drop it, or train {owners[0]}")
+    return settings(**values), given, actions
 
 
 KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
@@ -355,6 +355,7 @@ def read_recipe(path):
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config {path} is not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(Config)}
+    fields.update({name: f for name, (f, _) in task_fields().items()})
     values = {}
     for key, value in recipe.items():
         name = key.replace("-", "_")
@@ -390,7 +391,7 @@ def passes(valid, value):
 
 def check_ranges(cfg):
     """Every field against its own rule."""
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(cfg):
         value, valid = getattr(cfg, f.name), f.metadata["valid"]
         if value is not None and valid is not None and not passes(valid, value):
             raise ValueError(f"--{f.name.replace('_', '-')} must be {valid[1]} (got {value})")
@@ -399,9 +400,7 @@ def check_ranges(cfg):
 def check_combination(cfg):
     """The rules that tie fields together."""
     task = tasks.task_class(cfg.task)
-    if cfg.eval_samples < task.min_eval_samples:
-        raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on sampled "
-                         f"completions: use {task.min_eval_samples} or more")
+    task.check_settings(cfg)
     waits_for = max(cfg.min_buffer, cfg.prompts_per_step) * cfg.group_size
     if cfg.replay_groups and cfg.searchers:
         raise ValueError(f"--replay-groups {cfg.replay_groups} replays in the synchronous loop, "
@@ -541,7 +540,10 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
     `recipe_steps`: the recipe's --steps, the run its schedule was planned for, even when the
     command line trains for another number of steps."""
     recipe = recipe or {}
-    task_defaults = tasks.task_class(cfg.task).defaults
+    if type(cfg) is not settings_class(cfg.task):          # e.g. a Config built in code
+        cfg = settings(**dataclasses.asdict(cfg))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    task_defaults = {k: v for k, v in tasks.task_class(cfg.task).defaults.items() if k in names}
     from_task = {k for k in task_defaults if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **{k: task_defaults[k] for k in from_task})
     if cfg.device == "auto":
@@ -578,8 +580,9 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     task_defaults = tasks.task_class(cfg.task).defaults
     planned = {**task_defaults, **recipe, **({"steps": recipe_steps} if recipe_steps else {})}
     groups, title = {}, None
-    for f in dataclasses.fields(Config):
-        title = SECTIONS.get(f.name, title)
+    own = {f.name for f in dataclasses.fields(tasks.task_class(cfg.task).Settings)}
+    for f in dataclasses.fields(cfg):
+        title = f"{cfg.task}'s own" if f.name in own else SECTIONS.get(f.name, title)
         value = getattr(cfg, f.name)
         if value != f.default and f.name not in ("task", "resume", "out"):
             mark = "*" if not cfg.resume and f.name not in given else ""
@@ -619,7 +622,10 @@ def read_run_config(run):
         assert isinstance(saved, dict)
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
-    fields = {f.name for f in dataclasses.fields(Config)}
+    try:
+        fields = {f.name for f in dataclasses.fields(settings_class(saved.get("task", "toy")))}
+    except ValueError:
+        fields = set()
     if set(saved) != fields:
         differ = sorted(set(saved) ^ fields)
         raise ValueError(f"{run} was written by an incompatible version of tba (settings "
@@ -644,7 +650,7 @@ def resumed_config(cfg, given):
         raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
                          "one): start it again with another --out, or delete the folder")
     overrides = {name: getattr(cfg, name) for name in given if name in RESUME_OVERRIDES}
-    cfg = resolve(Config(**{**saved, **overrides, "resume": str(run),
+    cfg = resolve(settings(**{**saved, **overrides, "resume": str(run),
                                           "out": str(run)}))
     if checkpoint.step_of(latest) >= cfg.steps:
         raise ValueError(f"{run} is already at step {checkpoint.step_of(latest)}: pass --steps "

@@ -57,7 +57,7 @@ def evaluate(run_dir, args):
         done = json.loads(out.read_text())
         if done.get("settings") == settings:
             return done
-    cfg = config.Config(**config.read_run_config(run_dir))
+    cfg = config.settings(**config.read_run_config(run_dir))
     if cfg.task != "redteam":
         raise ValueError(f"{run_dir} is a --task {cfg.task} run: this evaluates red-teaming runs")
     folder = weights_of(run_dir, args.step)

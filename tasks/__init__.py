@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 from llm import models
+from plumbing.flags import TASK_DEFAULT, at_least, flag, one_of
 
 
 @dataclass
@@ -25,10 +26,51 @@ class Prompt:
     answer: str | None = None  # the gold answer, for tasks that have one
 
 
+# A task's own settings, beside the core ones of `config.Config`: each task declares them as a
+# dataclass (`Task.Settings`), with the same flag names on the command line and in recipes;
+# `--help` lists them under their task, and a run's settings are Config's and its task's.
+@dataclass
+class TaskSettings:
+    """The toy task's settings: none beside the core ones."""
+
+
+@dataclass
+class LanguageSettings(TaskSettings):
+    """language tasks (arith, gsm8k, summarize, tldr, redteam)."""
+    trust_remote_code: bool = flag(False, "allow model repositories to run their own code")
+
+
+@dataclass
+class PromptSettings(LanguageSettings):
+    """language tasks evaluated on test prompts (arith, gsm8k, summarize, tldr)."""
+    prompt_style: str = flag("auto", "language tasks: chat (the tokenizer's chat template) or "
+                                     "plain ('[MATH TASK] Problem: ...', '...\\nTL;DR:'); auto: "
+                                     "chat when the tokenizer has a chat template",
+                       one_of("auto", "chat", "plain"))
+    max_prompt_len: int = flag(None, "language tasks: skip prompts longer than this, in tokens "
+                                     f"{TASK_DEFAULT}", at_least(1))
+    eval_batch_size: int = flag(64, "prompts per batch of evaluation: larger batches decode "
+                                    "faster and hold more memory", at_least(1))
+    eval_samples: int = flag(None, "math tasks: also sample this many completions per test prompt "
+                                   "at --temperature and log their mean reward as "
+                                   "eval/sampled_accuracy (0: greedy only); summarize, tldr: "
+                                   "summaries sampled per test text for eval/win_rate and "
+                                   f"eval/kl (at least 1) {TASK_DEFAULT}",
+                             at_least(0))
+
+
+def data_dir_flag():
+    """--data-dir, declared by each task that reads its data from files."""
+    return flag("", "gsm8k, summarize, tldr: folder holding train.jsonl and test.jsonl "
+                    "(gsm8k default: ../shared/data/gsm8k when it exists, else the hub's "
+                    "openai/gsm8k)")
+
+
 class Task:
     """Base class. Subclasses set `name`, override `defaults` and implement the three methods."""
 
     name = ""
+    Settings = TaskSettings           # its own settings (a dataclass of flags)
     # Does `evaluate` use the reference model? If not, an asynchronous trainer keeps no copy.
     eval_needs_reference = False
     # Does `score` return an "embeddings" [N, D] info (then `embedding_dim` = D once loaded)?
@@ -42,11 +84,18 @@ class Task:
                     temperature=1.0, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
                     warmup_steps=10, decay_steps=0, eval_every=50, eval_n=0, sync_every=2,
                     recent_frac=0.95, min_buffer=8, buffer_capacity=8000, max_reuse=4,
-                    micro_groups=0, activation_checkpointing=False, save_every=50,
-                    eval_samples=0, max_prompt_len=512)
+                    micro_groups=0, activation_checkpointing=False, save_every=50)
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    @classmethod
+    def check_settings(cls, cfg):
+        """The rules of the task's own settings, with the run's (ValueError: one line saying
+        what is wrong and how to fix it). Called by `config.resolve`."""
+        if cls.min_eval_samples and cfg.eval_samples < cls.min_eval_samples:
+            raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on "
+                             f"sampled completions: use {cls.min_eval_samples} or more")
 
     def load_model(self, device):
         """The policy's starting point, which is also the frozen reference."""

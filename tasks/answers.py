@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from plumbing import checkpoint
 from llm import sampling
-from tasks import Prompt, Task
+from tasks import Prompt, PromptSettings, Task
 
 # A number: an optional sign, an optional "$", digits with optional thousands commas, optional
 # decimals; what follows it ("%", "km", a full stop) is not part of it. Not inside a word
@@ -135,6 +135,8 @@ class AnswerTask(Task):
 
     Subclasses implement `examples(split)` -> list of (question, gold answer string).
     """
+    Settings = PromptSettings
+    defaults = dict(Task.defaults, eval_samples=0, max_prompt_len=512)
     instruction = CHAT_INSTRUCTION          # appended to the question in chat-style prompts
 
     def __init__(self, cfg):

@@ -13,6 +13,10 @@ Prompts, reward and evaluation are the ones of GSM8K (`tasks.answers`).
 import functools
 import random
 
+from dataclasses import dataclass
+
+from plumbing.flags import TASK_DEFAULT, within, flag
+from tasks import PromptSettings
 from tasks.answers import AnswerTask
 
 TRAIN_SIZE, TEST_SIZE = 5000, 200
@@ -65,8 +69,19 @@ def make_splits(digits, steps, ops):
     return {"train": train, "test": test}
 
 
+@dataclass
+class ArithSettings(PromptSettings):
+    """arith: the problems it makes."""
+    arith_digits: int = flag(None, f"arith: numbers have up to this many digits {TASK_DEFAULT}",
+                             within(1, 9))
+    arith_steps: int = flag(None, f"arith: operations per problem {TASK_DEFAULT}", within(1, 20))
+    arith_ops: str = flag(None, f"arith: operations to draw from, e.g. +- or +-* {TASK_DEFAULT}",
+                          ((lambda v: v and set(v) <= set("+-*")), "made of + - *"))
+
+
 class ArithTask(AnswerTask):
     name = "arith"
+    Settings = ArithSettings
     # SmolLM2-135M-Instruct on a 2-core CPU: one-step problems (1 digit, + or -), reward 1 for the
     # right number (tasks.answers), greedy accuracy on 128 of the 200 test problems. The defaults:
     # - The number only, in 32 new tokens: it starts at 0.367 and a step is short; asked to reason

@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 
 from llm import models
+from dataclasses import dataclass
+
+from tasks import PromptSettings, data_dir_flag
 from tasks.answers import AnswerTask, extract_answer
 
 LOCAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -63,8 +66,15 @@ def load_gsm8k(data_dir=""):
             for split in ("train", "test")}
 
 
+@dataclass
+class Gsm8kSettings(PromptSettings):
+    """gsm8k: where its data is."""
+    data_dir: str = data_dir_flag()
+
+
 class Gsm8kTask(AnswerTask):
     name = "gsm8k"
+    Settings = Gsm8kSettings
     # For SmolLM2-135M on a CPU, where a step of 4 prompts × 8 completions × up to 256 tokens
     # takes minutes; 256 tokens hold most of its solutions. SmolLM2 solves ~4% greedily and
     # fewer when sampling at temperature 1, so 0.7 (as for arith) gives more groups with a

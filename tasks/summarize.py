@@ -40,6 +40,7 @@ reference is the target itself (it always wins), so the baseline is the initial 
 summaries, drawn with the same dice: 0.5 at step 0, and above 0.5 means better than before.
 """
 import functools
+from dataclasses import dataclass
 import importlib.util
 import json
 import re
@@ -48,8 +49,9 @@ from pathlib import Path
 import torch
 
 from plumbing import checkpoint
+from plumbing.flags import TASK_DEFAULT, flag
 from llm import sampling
-from tasks import Prompt, Task, scorers
+from tasks import Prompt, PromptSettings, Task, data_dir_flag, scorers
 from llm.logprobs import group_logprobs
 
 SIMILARITY = "similarity"
@@ -188,8 +190,24 @@ def load_reward(name, device):
     return SimilarityReward(device) if name == SIMILARITY else RewardModel(name, device)
 
 
+@dataclass
+class SummarizeSettings(PromptSettings):
+    """summarize, tldr: the data, the reward model and the judge."""
+    data_dir: str = data_dir_flag()
+    dataset: str = flag(None, "summarize, tldr: aclsum (packaged), or a hub dataset of prompt "
+                              "and completion (or label) rows, e.g. trl-lib/tldr; --data-dir "
+                              f"takes local jsonl files instead {TASK_DEFAULT}")
+    reward_model: str = flag("similarity", "summarize, tldr: similarity (a stand-in: MiniLM "
+                                           "cosine to the reference, minus a length term), or a "
+                                           "hub id or folder of a one-output sequence classifier, "
+                                           "e.g. cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
+    judge_model: str = flag("", "summarize, tldr: scores eval/win_rate (default: --reward-model; "
+                                "the paper judges with a larger 'gold' reward model)")
+
+
 class SummarizeTask(Task):
     name = "summarize"
+    Settings = SummarizeSettings
     eval_needs_reference = True          # eval/kl, and the initial policy's summaries
     min_eval_samples = 1                 # win rate and KL are measured on sampled summaries
     # For SmolLM2-135M on a 2-core CPU (~25 s a step, 7-8 min a run in bfloat16): 12 steps of

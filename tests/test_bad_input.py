@@ -80,7 +80,9 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--micro-groups", "-1"], "--micro-groups must be at least 0"),
     (["--micro-completions", "-1"], "--micro-completions must be at least 0"),
     (["--dtype", "float8"], "--dtype must be one of auto, float32, bfloat16, float16"),
-    (["--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
+    (["--task", "arith", "--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
+    (["--task", "toy", "--victim-samples", "2"], "--victim-samples is a setting of redteam, not "
+     "of --task toy: drop it, or train redteam"),
     (["--eval-n", "-5"], "--eval-n must be at least 0"),
     (["--searchers", "-1"], "--searchers must be at least 0"),
     (["--recent-frac", "1.5"], "--recent-frac must be in [0, 1]"),

@@ -1,5 +1,6 @@
 """The settings: recipes (`--config`), `--dry-run`, the settings printout, schedules that must fit
 the run, and the README's commands, which must run as written."""
+import pickle
 import re
 import shlex
 from pathlib import Path
@@ -187,3 +188,28 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
         argv = shlex.split(command)[2:]
         assert tba.main([*argv, "--dry-run", "--out", str(tmp_path / "run")]) == 0, command
         assert capsys.readouterr().err == "", command
+
+
+def test_each_task_owns_its_settings(tmp_path, monkeypatch):
+    """Config holds the core settings; a task declares its own (Task.Settings), which a run of it
+    gets, --help lists under it, a run of another task refuses, and a task of your own brings."""
+    import dataclasses
+    core = {f.name for f in dataclasses.fields(config.Config)}
+    assert len(core) <= 56 and not core & {"arith_digits", "victim_model", "data_dir"}
+    cfg = config.parse_args(["--task", "arith", "--arith-digits", "2"])[0]
+    assert cfg.arith_digits == 2 and not hasattr(config.parse_args([])[0], "arith_digits")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg          # as a spawned searcher receives it
+    help_text = config.build_parser().format_help()
+    under_arith = help_text[help_text.index("settings of arith"):]
+    assert "\n  --arith-digits" in under_arith and "\n  --arith-digits" not in help_text.split(
+        "settings of")[0]
+    with pytest.raises(ValueError, match="--arith-digits is a setting of arith, not of --task toy"):
+        config.parse_args(["--arith-digits", "2"])
+    (tmp_path / "my_task.py").write_text(
+        "from dataclasses import dataclass\nfrom plumbing.flags import flag\n"
+        "from tasks.toy import ToyTask\n@dataclass\nclass MySettings:\n    \"\"\"mine.\"\"\"\n"
+        "    noise: float = flag(0.5, 'how noisy')\nclass MyTask(ToyTask):\n"
+        "    Settings = MySettings\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config.parse_args(["--task", "my_task:MyTask", "--noise", "0.25"])[0]
+    assert cfg.noise == 0.25 and cfg.task == "my_task:MyTask"
