@@ -106,7 +106,7 @@ class Config:
                                   f"them continues at the decayed rate {TASK_DEFAULT}", at_least(0))
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
                                    "bounds the trainer's memory (0: all at once, on a GPU as "
-                                   "many as its memory holds: trainer.groups_per_pass) "
+                                   "many as its memory holds: devices/memory.py) "
                                    "(default: the task's choice on a CPU, 0 on a GPU)",
                              at_least(0))
     micro_completions: int = flag(0, "at most this many completions per gradient pass, splitting a "

@@ -20,7 +20,7 @@ from llm import sampling
 import tasks
 from batch import REFERENCE, GroupBatch
 from llm.logprobs import group_logprobs
-from devices.weights import receive_weights
+from devices.sync_check import receive_weights
 
 
 @torch.no_grad()

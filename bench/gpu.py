@@ -49,6 +49,7 @@ from llm import logprobs  # noqa: E402
 from llm import sampling  # noqa: E402
 from llm import models  # noqa: E402
 from devices import placement  # noqa: E402
+from devices.memory import groups_per_pass  # noqa: E402
 from plumbing import schedules  # noqa: E402
 import trainer  # noqa: E402
 import overhead  # noqa: E402
@@ -298,7 +299,7 @@ def trainer_steps(report, args, device):
                                    dtype=torch.bfloat16)
                 synchronize(device)
                 seconds = time.perf_counter() - start
-            passes = trainer.groups_per_pass(model, optimizer, batch, torch.bfloat16)
+            passes = groups_per_pass(model, optimizer, batch, torch.bfloat16)
             peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else float("nan")
             report.add(f"| {name} | {batch_shape['groups']} × {batch_shape['k']}, "
                        f"{batch_shape['prompt']} + {batch_shape['response']} | {passes} | "

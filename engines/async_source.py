@@ -1,11 +1,20 @@
-"""What the asynchronous sources share: searchers elsewhere fill a replay buffer, and each step
-draws its groups from it (`ReplayBuffer.sample`: recency m, priority, staleness and reuse bounds).
-`sources.SearcherProcesses` (processes on this machine) and `ray_source.RaySearchers` (Ray
-actors) start the searchers, ship the weights and collect the reports in `poll`.
+"""The asynchronous sources: searchers elsewhere fill a replay buffer, and each step draws its
+groups from it (`ReplayBuffer.sample`: recency m, priority, staleness and reuse bounds).
+
+`AsyncSource` is what they share; `SearcherProcesses` (--searchers N) starts searcher processes
+on this machine (`processes.SearcherPool`), ships them the weights through shared-memory slots
+(`devices/weights.py`) and collects their reports in `poll`. Ray's actors are `ray_source.py`'s.
 """
 import time
+from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
+
+from devices.placement import GB
+from devices.sync_check import LoadLog
+from devices.weights import WeightChannel
+from engines import processes
 
 
 class AsyncSource:
@@ -70,3 +79,47 @@ class AsyncSource:
             self.buffer.load_state_dict(state["buffer"], max_version=step)
         if "sampler" in state:
             self.sampler.set_state(state["sampler"])
+
+
+class SearcherProcesses(AsyncSource):
+    """--searchers N on this machine: spawned processes (processes.SearcherPool) write to the
+    shared-memory buffer and read weights from shared-memory slots."""
+
+    def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
+        super().__init__(cfg, buffer, interrupt)
+        self.layout, self.weights, self.pool = layout, None, None
+        self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
+        self.loads = LoadLog(Path(cfg.out) / "weights.jsonl", getattr(torch, cfg.dtype))
+
+    def connect(self, quiet=False):
+        if not quiet:
+            print(f"shared memory: {self.shared_bytes / GB:.2f} GB, the weight slots and the "
+                  "replay buffer", flush=True)
+
+    def start(self, policy, version):
+        self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"),
+                                     device=self.layout.device)
+        self.publish(policy, version)
+        self.pool = processes.SearcherPool(self.cfg, self.layout.searcher_devices,
+                                           self.layout.threads, self.buffer, self.weights)
+        self.pool.watch()                 # a searcher's death now interrupts the trainer
+
+    def publish(self, policy, version):
+        t0 = time.time()
+        legs = self.weights.publish(policy, version)
+        sync_s = time.time() - t0
+        self.loads.published(policy, version)
+        return {"sync_s": round(sync_s, 4), **{k: round(v, 4) for k, v in legs.items()}}
+
+    def load_metrics(self):
+        return self.loads.metrics()       # the searchers' weight loads since the last batch
+
+    def poll(self, wait_s=0.0):
+        self.take_reports(self.loads.take(self.pool.poll()))   # loads logged, searches counted
+        time.sleep(wait_s)
+
+    def close(self):
+        if self.pool:
+            self.pool.close()
+        if self.weights:
+            self.weights.close()

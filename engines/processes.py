@@ -2,7 +2,7 @@
 
 Each process runs `searcher.run`: it loads the task and the models, then searches with the newest
 published weights into the shared replay buffer until told to stop. The trainer's side of it is
-`sources.SearcherProcesses`.
+`async_source.SearcherProcesses`.
 """
 import queue
 import signal

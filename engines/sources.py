@@ -21,25 +21,22 @@ new weights every --sync-every steps; it never touches processes, buffers or Ray
                        (--lag L: with the weights of L updates ago, options/policy_lag.py;
                        --replay-groups n: n of the B groups replayed, options/replay_groups.py)
     SearcherProcesses  --searchers N: processes on this machine filling a shared-memory replay
-                       buffer, weights through shared-memory slots (devices/weights.py)
+                       buffer, weights through shared-memory slots (async_source.py)
     RaySearchers       --searchers N --ray ADDRESS: Ray actors anywhere (ray_source.py)
 """
 import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from engines import processes
 import searcher
 import tasks
-from engines.async_source import AsyncSource
+from engines.async_source import SearcherProcesses
 from buffer import ReplayBuffer, shared_bytes
 from options.policy_lag import Lag
-from devices.placement import GB, check_shared_memory
+from devices.placement import check_shared_memory
 from engines.ray_source import RaySearchers
 from options.replay_groups import ReplayGroups
-from devices.weights import LoadLog, WeightChannel
+from devices.weights import WeightChannel
 
 
 class SynchronousSource:
@@ -107,50 +104,6 @@ class SynchronousSource:
             next(self.prompts)
         if self.lag is not None:
             self.lag.check_resume(step)
-
-
-class SearcherProcesses(AsyncSource):
-    """--searchers N on this machine: spawned processes (processes.SearcherPool) write to the
-    shared-memory buffer and read weights from shared-memory slots."""
-
-    def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
-        super().__init__(cfg, buffer, interrupt)
-        self.layout, self.weights, self.pool = layout, None, None
-        self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
-        self.loads = LoadLog(Path(cfg.out) / "weights.jsonl", getattr(torch, cfg.dtype))
-
-    def connect(self, quiet=False):
-        if not quiet:
-            print(f"shared memory: {self.shared_bytes / GB:.2f} GB, the weight slots and the "
-                  "replay buffer", flush=True)
-
-    def start(self, policy, version):
-        self.weights = WeightChannel(policy, self.cfg.searchers, mp.get_context("spawn"),
-                                     device=self.layout.device)
-        self.publish(policy, version)
-        self.pool = processes.SearcherPool(self.cfg, self.layout.searcher_devices,
-                                           self.layout.threads, self.buffer, self.weights)
-        self.pool.watch()                 # a searcher's death now interrupts the trainer
-
-    def publish(self, policy, version):
-        t0 = time.time()
-        legs = self.weights.publish(policy, version)
-        sync_s = time.time() - t0
-        self.loads.published(policy, version)
-        return {"sync_s": round(sync_s, 4), **{k: round(v, 4) for k, v in legs.items()}}
-
-    def load_metrics(self):
-        return self.loads.metrics()       # the searchers' weight loads since the last batch
-
-    def poll(self, wait_s=0.0):
-        self.take_reports(self.loads.take(self.pool.poll()))   # loads logged, searches counted
-        time.sleep(wait_s)
-
-    def close(self):
-        if self.pool:
-            self.pool.close()
-        if self.weights:
-            self.weights.close()
 
 
 def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):

@@ -8,7 +8,7 @@ from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from llm import sampling
+from llm import sampling, static_decoding
 from llm import models
 from llm.models import DEFAULT_MODEL, ModelLoadError, load_model
 
@@ -255,11 +255,11 @@ def test_static_decoding_is_the_default_only_where_it_compiles(monkeypatch):
     """On a CPU the prefix-shared cache (fewest FLOPs, no compiling unless asked); on a GPU the
     static cache, unless torch.compile cannot work there: then one line says so, once."""
     assert sampling.default_cache("cpu") == sampling.PREFIX
-    monkeypatch.setattr(sampling, "_COMPILE_CHECKED", {})
-    monkeypatch.setattr(sampling.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setattr(static_decoding, "_COMPILE_CHECKED", {})
+    monkeypatch.setattr(static_decoding.shutil, "which", lambda name: "/usr/bin/cc")
     assert sampling.default_cache("cuda:0") == sampling.STATIC
-    monkeypatch.setattr(sampling, "_COMPILE_CHECKED", {})
-    monkeypatch.setattr(sampling.shutil, "which", lambda name: None)
+    monkeypatch.setattr(static_decoding, "_COMPILE_CHECKED", {})
+    monkeypatch.setattr(static_decoding.shutil, "which", lambda name: None)
     messages = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: messages.append(" ".join(map(str, a))))
     assert sampling.default_cache("cuda:0") == sampling.PREFIX

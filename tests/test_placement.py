@@ -14,7 +14,8 @@ from devices import placement
 import tba
 from fake_cuda import PINNED, FakeCuda, set_devices
 from tasks.toy import build_model, build_tokenizer
-from devices.weights import WeightChannel, copy_weights, probe_logp
+from devices.sync_check import probe_logp
+from devices.weights import WeightChannel, copy_weights
 
 
 def fake_gpus(monkeypatch, count, log=None):

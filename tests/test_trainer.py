@@ -429,7 +429,7 @@ def test_a_trainer_step_and_a_decode_step_read_the_device_as_few_times_as_counte
 def test_the_memory_model_puts_as_many_groups_in_a_pass_as_fit():
     """`groups_that_fit` by hand: a 2-layer model with hidden size 16, no checkpointing, float32:
     76 · 16 bytes a layer and token; groups of 4 completions of 5 + 6 tokens."""
-    from trainer import groups_that_fit
+    from devices.memory import groups_that_fit
     model = tiny_llama()
     batch = random_batch(24)                                     # 3 groups × 4, P = 5, R = 6
     optimizer = torch.optim.AdamW(model.parameters())
