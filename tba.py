@@ -105,7 +105,7 @@ def train(cfg, setup):
 
     def evaluate_now():
         return evaluate(task, policy, tokenizer, setup.ref_model, step=progress.step, start=start,
-                        log=log, dtype=dtype)
+                        log=log)
 
     def save_checkpoint():
         progress.elapsed = time.time() - start
@@ -195,10 +195,11 @@ def train(cfg, setup):
     return metrics
 
 
-def evaluate(task, model, tokenizer, ref_model, *, step, start, log, dtype):
-    """The task's evaluation of the policy now, logged as a metrics row and printed."""
-    with models.autocast(next(model.parameters()).device, dtype):
-        metrics = task.evaluate(model, tokenizer, ref_model, step=step)
+def evaluate(task, model, tokenizer, ref_model, *, step, start, log):
+    """The task's evaluation of the policy now, logged as a metrics row and printed. The task
+    runs the policy at training's precision and its scorers as training scores
+    (`Task.policy_precision`)."""
+    metrics = task.evaluate(model, tokenizer, ref_model, step=step)
     log.write({"step": step, "time": round(time.time() - start, 3), **metrics})
     tqdm.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics

@@ -149,8 +149,9 @@ def run_trl(system, tba_argv):
 
     @contextlib.contextmanager
     def as_tba_evaluates(model):
-        """The policy as tba evaluates it: eval mode, float32 (without the bfloat16 autocast
-        that accelerate wraps around `forward` under bf16=True), no activation checkpointing."""
+        """The policy as tba evaluates it: eval mode, at tba's precision (`Task.policy_precision`,
+        without the bfloat16 autocast that accelerate wraps around `forward` under bf16=True), no
+        activation checkpointing."""
         wrapped, training = model.forward, model.training
         model.forward = getattr(model, "_original_forward", wrapped)
         model.eval()
@@ -179,7 +180,7 @@ def run_trl(system, tba_argv):
         def evaluate(self, model, step):
             with as_tba_evaluates(model):
                 tba.evaluate(task, model, tokenizer, grpo.ref_model, step=step, start=self.start,
-                             log=log, dtype=torch.float32)
+                             log=log)
 
     grpo.remove_callback(PrinterCallback)
     grpo.add_callback(Evaluate())

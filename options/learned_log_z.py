@@ -45,9 +45,15 @@ class LearnedLogZ(torch.nn.Module):
                 self.values[index] = value
 
     @torch.no_grad()
-    def step(self):
+    def step(self, loss_scale=1.0, skip=False):
         """One gradient-descent step on the gradient the loss left (entries of prompts not in
-        the batch have none), then forget it."""
-        if self.values.grad is not None:
-            self.values -= self.lr * self.values.grad
-            self.values.grad = None
+        the batch have none), then forget it. `loss_scale`: the factor float16's GradScaler
+        multiplied the loss by, which the gradient carries; `skip`: the scaler skipped the
+        policy's step (an overflow), so this one is skipped too, as is one whose own gradient
+        is not finite."""
+        grad, self.values.grad = self.values.grad, None
+        if grad is None or skip:
+            return
+        grad = grad / loss_scale                                               # [P]
+        if torch.isfinite(grad).all():
+            self.values -= self.lr * grad

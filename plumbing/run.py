@@ -77,6 +77,18 @@ def state(progress, *, optimizer, scheduler, scaler, task, source, log_z=None):
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
 
+def restore_gpu_rng(states):
+    """Each GPU's random state, for the GPUs this machine has: a run may resume on one with fewer
+    (the others' states are dropped, in one line) or more (those keep the seed's)."""
+    there = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for index, state in enumerate(states[:there]):
+        torch.cuda.set_rng_state(state, f"cuda:{index}")
+    if len(states) > there:
+        print(f"note: the checkpoint holds the random states of {len(states)} GPUs and this "
+              f"machine has {there}: those of cuda:{there}–cuda:{len(states) - 1} are dropped",
+              file=sys.stderr, flush=True)
+
+
 def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, source, log_z=None):
     """Load the run's newest checkpoint into these, in place; `steps` is the resumed run's
     --steps, which may go past the schedule of its first session. -> Progress"""
@@ -95,8 +107,7 @@ def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, sourc
         raise checkpoint.CheckpointError(f"{latest / 'buffer.pt'} is invalid ({e}): delete "
                                          f"{latest} to resume from the checkpoint before it") from None
     torch.set_rng_state(saved["rng"]["torch"])
-    if saved["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    restore_gpu_rng(saved["rng"]["cuda"])
     schedule = scheduler.lr_lambdas[0]
     if steps > schedule.total_steps:
         print(f"note: the learning-rate schedule was set for {schedule.total_steps} steps; steps "

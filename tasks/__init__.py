@@ -14,6 +14,8 @@ import importlib
 import random
 from dataclasses import dataclass
 
+import torch
+
 from llm import models
 from plumbing.flags import TASK_DEFAULT, at_least, flag, one_of
 
@@ -138,7 +140,17 @@ class Task:
         pass
 
     def evaluate(self, model, tokenizer, ref_model, step=None):
+        """Metrics of the policy now. Its forward passes (and its reference's) run under
+        `policy_precision`; the task's scorers outside it, as `score` runs in training."""
         raise NotImplementedError
+
+    def policy_precision(self, model):
+        """The context of the policy's forward passes at evaluation: the trainer's autocast, as
+        in a searcher (`searcher.sample_groups`). Around the policy only: a scorer (a victim, a
+        classifier, a reward model) under it would measure at another precision than the
+        training reward, and autocast would keep low-precision copies of its weights."""
+        return models.autocast(next(model.parameters()).device,
+                               getattr(torch, getattr(self.cfg, "dtype", "float32")))
 
 
 # Imported on demand, so that a task's optional dependencies are only needed when it is used.

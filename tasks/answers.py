@@ -86,9 +86,10 @@ def complete(task, model, tokenizer, prompts, max_new_tokens, batch_size, num_sa
                   desc=f"eval ({len(prompts)} prompts{'' if greedy else f' × {num_samples}'})",
                   unit="batch", leave=False, disable=task.cfg.quiet):
         batch = order[s:s + batch_size]
-        _, _, response_ids, response_len = sampling.generate(
-            model, tokenizer, [prompts[i].ids for i in batch], num_samples=num_samples,
-            max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
+        with task.policy_precision(model):
+            _, _, response_ids, response_len = sampling.generate(
+                model, tokenizer, [prompts[i].ids for i in batch], num_samples=num_samples,
+                max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
         texts = sampling.decode(tokenizer, response_ids, response_len)       # batch × num_samples
         for n, i in enumerate(batch):
             completions[i] = texts[n * num_samples:(n + 1) * num_samples]

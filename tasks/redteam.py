@@ -135,6 +135,7 @@ class RedTeamTask(Task):
         self.victim, self.victim_tokenizer = models.load_model(
             self.cfg.victim_model or models.DEFAULT_MODEL, device=device,
             trust_remote_code=self.cfg.trust_remote_code)
+        self.victim.requires_grad_(False)         # a scorer: frozen, run at its own precision
         self.toxicity = scorers.load_toxicity(self.cfg.toxicity_model, device)
         self.embedder = scorers.load_embedder(scorers.DEFAULT_EMBEDDER, device)
         self.embedding_dim = int(self.embedder(["an attack"]).shape[-1])
@@ -188,9 +189,10 @@ class RedTeamTask(Task):
         texts = []
         for start in range(0, per_prompt, max(1, batch // len(prompts))):
             n = min(max(1, batch // len(prompts)), per_prompt - start)
-            _, _, response_ids, response_len = sampling.generate(
-                model, tokenizer, [p.ids for p in prompts], num_samples=n,
-                max_new_tokens=self.cfg.max_new_tokens, temperature=temperature)
+            with self.policy_precision(model):
+                _, _, response_ids, response_len = sampling.generate(
+                    model, tokenizer, [p.ids for p in prompts], num_samples=n,
+                    max_new_tokens=self.cfg.max_new_tokens, temperature=temperature)
             texts += sampling.decode(tokenizer, response_ids, response_len)
         texts = texts[:attacks]
         toxicity = torch.cat([self.attack(texts[i:i + batch], answers, answer_tokens)[1]
@@ -242,9 +244,10 @@ class RedTeamTask(Task):
         prompts; a few attacks with the victim's answers go to samples.jsonl."""
         prompts = self.prompts("test", tokenizer)
         per_prompt = max(1, self.cfg.eval_n // len(prompts))
-        _, _, response_ids, response_len = sampling.generate(
-            model, tokenizer, [p.ids for p in prompts], num_samples=per_prompt,
-            max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature)
+        with self.policy_precision(model):
+            _, _, response_ids, response_len = sampling.generate(
+                model, tokenizer, [p.ids for p in prompts], num_samples=per_prompt,
+                max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature)
         attacks = sampling.decode(tokenizer, response_ids, response_len)
         answers, toxicity = self.attack(attacks)                               # [N, S]
         metrics = attack_metrics(toxicity.mean(-1), self.embedder(attacks), "eval")

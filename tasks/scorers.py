@@ -43,7 +43,7 @@ def load_hf(name, model_class, device):
     """(tokenizer, model in eval mode on device) from a local folder, else the HF cache, else the
     hub if it answers: offline, this fails in seconds instead of in the hub client's retries."""
     def load(source, **kw):   # the model first: its error names the missing file
-        model = model_class.from_pretrained(source, **kw).to(device).eval()
+        model = model_class.from_pretrained(source, **kw).to(device).eval().requires_grad_(False)
         return AutoTokenizer.from_pretrained(source, **kw), model
     folder = Path(name).expanduser()
     if not folder.is_dir():
@@ -166,7 +166,8 @@ class JigsawToxicity(ToxicityClassifier):
     def __init__(self, folder, device, batch_size=32):
         super().__init__(device, batch_size)
         self.tokenizer = KerasWordTokenizer(folder / "tokenizer.pickle")
-        self.model = JigsawBiLSTM().load_keras_weights(folder / "model.weights.h5").to(device).eval()
+        self.model = (JigsawBiLSTM().load_keras_weights(folder / "model.weights.h5").to(device)
+                      .eval().requires_grad_(False))
 
     def score(self, texts):
         probs = self.model(self.tokenizer(texts).to(self.device))          # [B, 6]

@@ -156,7 +156,8 @@ class RewardModel:
     def __init__(self, name, device, batch_size=16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(name).to(device).eval()
+            self.model = (AutoModelForSequenceClassification.from_pretrained(name).to(device)
+                          .eval().requires_grad_(False))
             self.tokenizer = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load --reward-model {name} ({str(e).splitlines()[0]}): pass "
@@ -332,19 +333,22 @@ class SummarizeTask(Task):
         summaries, lengths, log_ratios = [], [], []
         for i in range(0, len(prompts), self.cfg.eval_batch_size):
             part = prompts[i:i + self.cfg.eval_batch_size]
-            prompt_ids, prompt_mask, response_ids, response_len = sampling.generate(
-                model, tokenizer, [p.ids for p in part], num_samples=1 if greedy else n,
-                max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                greedy=greedy)                            # response_ids [b, n, R], len [b, n]
+            with self.policy_precision(model):
+                prompt_ids, prompt_mask, response_ids, response_len = sampling.generate(
+                    model, tokenizer, [p.ids for p in part], num_samples=1 if greedy else n,
+                    max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                    greedy=greedy)                        # response_ids [b, n, R], len [b, n]
             summaries += sampling.decode(tokenizer, response_ids, response_len)
             lengths += response_len.flatten().tolist()
-            if ref_model is not None:
-                zeros = torch.zeros(response_len.shape)
+            if ref_model is not None:     # every tensor of the batch where the ids are
+                zeros = torch.zeros(response_len.shape, device=response_len.device)   # [b, n]
                 batch = GroupBatch(prompt_ids, prompt_mask, response_ids, response_len, zeros,
-                                   zeros, torch.zeros(len(part), dtype=torch.long),
-                                   torch.arange(len(part)))
-                log_ratios.append(group_logprobs(model, batch, self.cfg.temperature)
-                                  - group_logprobs(ref_model, batch, self.cfg.temperature))
+                                   zeros, torch.zeros(len(part), dtype=torch.long,
+                                                      device=response_len.device),
+                                   torch.arange(len(part), device=response_len.device))
+                with self.policy_precision(model):
+                    log_ratios.append(group_logprobs(model, batch, self.cfg.temperature)
+                                      - group_logprobs(ref_model, batch, self.cfg.temperature))
         kl = torch.cat(log_ratios).mean().item() if log_ratios else None
         return summaries, sum(lengths) / len(lengths), kl
 

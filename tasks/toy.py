@@ -129,8 +129,10 @@ class ToyTask(Task):
         completions = all_completions()
         metrics, covered = {}, 0
         for prompt in MODES:
-            policy = exact_logprobs(model, tokenizer, prompt, completions, self.cfg.temperature).exp()
-            target = self.target_logprobs(ref_model, tokenizer, prompt, completions).exp()
+            with self.policy_precision(model):
+                policy = exact_logprobs(model, tokenizer, prompt, completions,
+                                        self.cfg.temperature).exp()
+                target = self.target_logprobs(ref_model, tokenizer, prompt, completions).exp()
             metrics[f"toy/tv/{prompt}"] = 0.5 * (policy - target).abs().sum().item()
             basins = mode_basins(prompt, completions).float()                  # [M, n]
             # a mode is covered when the policy holds at least half of the target's mass there

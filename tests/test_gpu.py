@@ -116,3 +116,15 @@ def test_check_logprobs_passes_with_tf32_on():
     placement.set_up_process("cuda:0", 1)
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     logprobs.check_logprobs(tiny_llama().cuda())
+
+
+def test_the_summaries_kl_is_measured_on_the_gpu(tiny_model_dir):
+    """The evaluation's KL batch built on the GPU, every tensor where its ids are: the policy as
+    its own reference gives 0 (tests/test_summarize.py checks the devices on the CPU)."""
+    import config
+    from tasks import make_task
+    summarize = make_task(config.resolve(config.parse_args(
+        ["--task", "summarize", "--model", str(tiny_model_dir), "--max-new-tokens", "4"])[0]))
+    model, tokenizer = summarize.load_model("cuda:0")
+    prompts = summarize.prompts("test", tokenizer)[:2]
+    assert summarize.summarize(model, tokenizer, prompts, greedy=False, n=2, ref_model=model)[2] == 0

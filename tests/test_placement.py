@@ -133,6 +133,39 @@ def hold(channel, ready, done):
     done.wait(60)
 
 
+def saved_run(monkeypatch, tmp_path, gpus):
+    """A toy run with one searcher on `gpus` fake GPUs, stopped at its step-2 checkpoint."""
+    run = tmp_path / f"saved-on-{gpus}"
+    fake_gpus(monkeypatch, gpus)
+    assert tba.main(["--task", "toy", "--searchers", "1", "--steps", "2", "--save-every", "2",
+                     "--group-size", "8", "--eval-every", "0", "--out", str(run)]) == 0
+    return run
+
+
+@pytest.mark.parametrize("before, after", [(4, 1), (4, 8), (1, 4), (8, 4)])
+def test_a_run_resumes_on_another_number_of_gpus(before, after, monkeypatch, tmp_path, capsys):
+    """A checkpoint keeps the random state of every GPU the run saw. Resumed on a machine with
+    fewer, the states of the GPUs there are restored and one line says which were dropped (not
+    an IndexError from torch.cuda.set_rng_state_all); with more, the others keep the seed's.
+    Each resumed run lays out its processes on the GPUs it has, and says so."""
+    run = saved_run(monkeypatch, tmp_path, before)
+    capsys.readouterr()
+    fake_gpus(monkeypatch, after)
+    assert tba.main(["--resume", str(run), "--steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    layout = dict(re.findall(r"^    (trainer|searcher \d+) +(\S+),", out, re.M))
+    assert layout == {"trainer": "cuda:0", "searcher 0": "cuda:0" if after == 1 else "cuda:1"}
+    dropped = [line for line in err.splitlines() if "random states" in line]
+    if after < before:
+        assert dropped == [f"note: the checkpoint holds the random states of {before} GPUs and "
+                           f"this machine has {after}: those of cuda:{after}–cuda:{before - 1} "
+                           "are dropped"]
+    else:
+        assert not dropped
+    steps = [json.loads(line)["step"] for line in open(run / "metrics.jsonl")]
+    assert max(steps) == 3
+
+
 def test_the_trainers_staging_stays_pinned_and_private(monkeypatch):
     """The pinned staging a GPU trainer publishes through is made at the first publish, before
     the searchers are spawned with the channel: sending it to them must not move it to shared

@@ -1,5 +1,6 @@
 """The summarisation task: loaders, both reward paths, win rate and KL, and short runs."""
 import json
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 import config
 from llm import models
 import tba
+from plumbing.run import MetricsLog
 from tasks import make_task
 from tasks.summarize import (RewardModel, SimilarityReward, detokenize, read_aclsum, read_jsonl,
                              win_rate)
@@ -137,3 +139,47 @@ def test_short_runs(searchers, tiny_model_dir, tmp_path):
     assert -1.0 <= evals[-1]["eval/reward_mean"] <= 1.0                # a cosine, less a penalty
     samples = [json.loads(line) for line in open(run / "samples.jsonl")]
     assert {"summary", "greedy", "reference", "reward", "win"} <= set(samples[0])
+
+
+def test_evaluation_scores_as_training_does_under_bfloat16(reward_model_dir, tiny_model_dir,
+                                                          tmp_path):
+    """A bfloat16 run's settings (autocast on): the reward evaluation logs for each summary is
+    the reward model's as `score` calls it in training, outside any autocast (a searcher scores
+    after its autocast block): the scorer measures what training optimises, in its own float32.
+    Under the trainer's autocast it would score in bfloat16, a few hundredths away."""
+    summarize = task("--model", str(tiny_model_dir), "--reward-model", str(reward_model_dir),
+                     "--dtype", "bfloat16", "--max-new-tokens", "6", "--eval-n", "3",
+                     "--eval-samples", "1", "--out", str(tmp_path))
+    policy, tokenizer = summarize.load_model("cpu")
+    ref_model = models.frozen_copy(policy, torch.bfloat16)
+    tba.evaluate(summarize, policy, tokenizer, ref_model, step=1, start=time.time(),
+                 log=MetricsLog(tmp_path / "metrics.jsonl"))
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    prompts = summarize.prompts("test", tokenizer)[:3]
+    assert len(samples) == 3
+    texts = [summarize.examples("test")[p.index][0] for p in prompts]
+    as_trained = summarize.reward_model(texts, [s["summary"] for s in samples],
+                                        [s["reference"] for s in samples])          # [3]
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), as_trained,
+                               rtol=0, atol=1e-6)
+    assert not any(p.requires_grad for p in summarize.reward_model.model.parameters())
+
+
+def test_the_kl_batch_is_built_where_the_summaries_are(tiny_model_dir, monkeypatch):
+    """Every tensor of the batch the evaluation's KL is measured on lives on the device of the
+    ids it describes (a CPU mask beside CUDA ids fails on a GPU the first time it is used; on a
+    CPU-only machine every device is the CPU, so `make test-gpu` is where this can fail)."""
+    import tasks.summarize as module
+    summarize = task("--model", str(tiny_model_dir), "--max-new-tokens", "4")
+    model, tokenizer = summarize.load_model("cpu")
+    seen, group_logprobs = [], module.group_logprobs
+
+    def recording(model, batch, temperature):
+        seen.append({name: value.device for name, value in vars(batch).items()
+                     if isinstance(value, torch.Tensor)})
+        return group_logprobs(model, batch, temperature)
+
+    monkeypatch.setattr(module, "group_logprobs", recording)
+    summarize.summarize(model, tokenizer, summarize.prompts("test", tokenizer)[:2], greedy=False,
+                        n=2, ref_model=model)
+    assert seen and all(set(devices.values()) == {devices["response_ids"]} for devices in seen)
