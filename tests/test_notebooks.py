@@ -18,10 +18,12 @@ import trainer  # noqa: E402
 from tasks.answers import extract_answer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted(p for p in (REPO / "notebooks").rglob("*.ipynb")
-                   if ".ipynb_checkpoints" not in p.parts)
 sys.path.insert(0, str(REPO / "notebooks" / "assignments"))
+sys.path.insert(0, str(REPO / "notebooks"))
+import execute  # noqa: E402
 import grader  # noqa: E402
+
+NOTEBOOKS = execute.sources()
 
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 NEEDS = {"04_gsm8k.ipynb": [
@@ -55,10 +57,20 @@ def test_notebook_runs(path):
     for missing, reason in NEEDS.get(path.name, []):
         if missing:
             pytest.skip(reason)
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-    client.execute()          # raises CellExecutionError with the cell and its traceback
+    execute.execute(path)     # raises CellExecutionError with the cell and its traceback
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_executed_copy_is_made_from_the_current_source(path):
+    """What a reader sees on the web (notebooks/executed/) is the notebook as it is now, run:
+    `make notebooks` remakes the copies after a source changes."""
+    copy = execute.executed_path(path)
+    assert copy.is_file(), f"{copy.relative_to(REPO)} is missing: run make notebooks"
+    made = nbformat.read(copy, as_version=4)
+    assert made.metadata["tba"]["source_hash"] == execute.source_hash(
+        nbformat.read(path, as_version=4)), \
+        f"{copy.relative_to(REPO)} was made from an older {path.name}: run make notebooks"
+    assert all(cell.execution_count for cell in made.cells if cell.cell_type == "code")
 
 
 # --- the graders: the reference passes, a stub fails ---------------------------------------------
@@ -71,6 +83,19 @@ def tb_loss_one_log_z(logp, ref_logp, reward, beta):
     """Wrong: one log Ẑ for the whole batch instead of one per prompt."""
     delta = logp - ref_logp - reward / beta                          # [B, K]
     log_z = -delta.mean().detach().expand(delta.shape[0])            # [B], all equal
+    return (log_z[:, None] + delta).pow(2).mean(), log_z
+
+
+def tb_loss_unbiased(logp, ref_logp, reward, beta):
+    """Wrong: torch.var's default divides by K − 1."""
+    delta = logp - ref_logp - reward / beta                          # [B, K]
+    return delta.var(dim=1).mean(), -delta.mean(1).detach()
+
+
+def tb_loss_log_z_with_grad(logp, ref_logp, reward, beta):
+    """Wrong: the log Ẑ returned carries gradient."""
+    delta = logp - ref_logp - reward / beta                          # [B, K]
+    log_z = -delta.mean(1)
     return (log_z[:, None] + delta).pow(2).mean(), log_z
 
 
@@ -105,6 +130,20 @@ def test_grader_fails_stubs(name):
     assert grade(stub)[0] == 0                  # raises NotImplementedError: every check fails
     passed, total = grade(wrong)
     assert passed < total
+
+
+@pytest.mark.parametrize("wrong, named", [
+    (tb_loss_one_log_z, "one log Ẑ for the whole batch"),
+    (tb_loss_unbiased, "K/(K−1)"),
+    (tb_loss_log_z_with_grad, "return it detached")])
+def test_the_tb_loss_grader_names_the_common_mistakes(wrong, named, capsys):
+    """Each common mistake is named in words, with the mismatch that shows it, and no error from
+    the project's own code reaches the student."""
+    passed, total = grader.grade_tb_loss(wrong)
+    out = capsys.readouterr().out
+    assert passed < total and named in out, out
+    assert "zero-dimensional" not in out and "could not use" not in out, out
+    assert not grader.tb_loss_mistakes(trainer.tb_loss)
 
 
 def test_extractor_grader_uses_the_project_table():

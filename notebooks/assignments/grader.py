@@ -66,6 +66,18 @@ def where(error, own_checks):
     return f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
 
 
+def inside_the_project(error):
+    """`file.function` of the project's own code (not its tests, not this grader) where `error`
+    was raised, if it was: its message would be about the project, not about the student's
+    function. -> str, or None"""
+    frames = traceback.extract_tb(error.__traceback__)
+    last = frames[-1] if frames else None
+    if (last is None or not last.filename.startswith(str(REPO)) or last.filename == __file__
+            or last.filename.startswith(str(REPO / "tests"))):
+        return None
+    return f"{Path(last.filename).relative_to(REPO)}: {last.name}"
+
+
 def run_checks(title, checks):
     """checks: [(name, function of no arguments that raises on failure)]. -> (passed, total)"""
     passed = 0
@@ -76,6 +88,11 @@ def run_checks(title, checks):
         except NotImplementedError:
             print(f"  FAIL  {name}: not implemented yet")
         except Exception as e:          # a wrong answer, a wrong shape, a crash: all fail the check
+            inside = inside_the_project(e)
+            if inside:
+                print(f"  FAIL  {name}: the project's {inside} could not use what your function "
+                      "returned: check the shapes and types the assignment asks for")
+                continue
             message = str(e).strip().splitlines()[0] if str(e).strip() else ""
             print(f"  FAIL  {name}: {type(e).__name__}{where(e, own_checks=not message)}"
                   + (f": {message[:200]}" if message else ""))
@@ -88,15 +105,84 @@ def run_checks(title, checks):
 
 # --- (a) the trajectory-balance loss -------------------------------------------------------------
 
+def two_groups(requires_grad=True):
+    """Two prompts, K = 3 each, whose log Ẑ differ (1.5 and −1): -> logp, ref_logp, reward, β"""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-2.0, -1.0, -3.0]], requires_grad=requires_grad)
+    ref_logp = torch.tensor([[-1.5, -1.0, -2.0], [-4.0, -2.5, -3.5]])
+    reward = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.5, 0.0]])
+    return logp, ref_logp, reward, 0.5
+
+
+def tb_loss_mistakes(fn):
+    """The common mistakes, in words, each with the mismatch that shows it, found from what `fn`
+    returns on `two_groups`. -> [str] (empty: none of them)"""
+    try:
+        out = fn(*two_groups())
+    except NotImplementedError:
+        return []
+    except Exception as e:
+        return [f"tb_loss raised {type(e).__name__}: {str(e).strip()[:200]}"]
+    if not (isinstance(out, tuple) and len(out) == 2 and all(map(torch.is_tensor, out))):
+        return ["return a tuple (loss, log_z) of two tensors"]
+    (loss, log_z), (want_loss, want_log_z) = out, trainer.tb_loss(*two_groups())
+    k = 3
+    shown = [round(v, 4) for v in log_z.detach().flatten().tolist()]
+    want = [round(v, 4) for v in want_log_z.tolist()]
+    problems = []
+    if log_z.numel() == 1 or (log_z.shape == want_log_z.shape and len(set(shown)) == 1):
+        problems.append(f"one log Ẑ for the whole batch (got {shown}, want {want}): each prompt x "
+                        "has its own normaliser Z(x), so average δ over the K completions of each "
+                        "row only (dim=1), one log Ẑ per prompt, shape [B]")
+    elif log_z.shape != want_log_z.shape:
+        problems.append(f"log_z has shape {list(log_z.shape)}; it should be [B] = [2], one "
+                        "estimate per prompt")
+    elif not torch.allclose(log_z.detach().float(), want_log_z, atol=1e-4):
+        problems.append(f"log_z is {shown}, want {want}: log Ẑ(x) = −mean_k δ_k")
+    if loss.dim() != 0:
+        problems.append(f"the loss has shape {list(loss.shape)}; it should be a scalar, the mean "
+                        "over all B·K squared residuals")
+    elif not problems and not torch.isclose(loss.detach(), want_loss, atol=1e-5):
+        ratio = (loss.detach() / want_loss).item()
+        if abs(ratio - k / (k - 1)) < 1e-3:
+            problems.append(f"the loss is K/(K−1) = {k}/{k - 1} times the right one "
+                            f"({loss.item():.4f} against {want_loss.item():.4f}): it divides by "
+                            "K − 1, as torch.var does by default (the unbiased variance). The loss "
+                            "is the mean of the squared residuals: divide by K (.pow(2).mean(), or "
+                            "torch.var(..., unbiased=False))")
+        else:
+            problems.append(f"the loss is {loss.item():.4f}, want {want_loss.item():.4f}")
+    if log_z.requires_grad:
+        problems.append("the log_z you return carries gradient: it is an estimate, not a "
+                        "parameter, so return it detached (log_z.detach()); the loss's gradient is "
+                        "the same either way, since Σ_k (δ_k − mean δ) = 0")
+    elif loss.dim() == 0 and not loss.requires_grad:
+        problems.append("the loss carries no gradient to logp: compute it with torch operations "
+                        "on logp, without .detach(), .item() or .tolist()")
+    return problems
+
+
 def grade_tb_loss(fn):
-    """fn(logp, ref_logp, reward, beta) -> (loss, log_z), with the semantics of trainer.tb_loss."""
+    """fn(logp, ref_logp, reward, beta) -> (loss, log_z), with the semantics of trainer.tb_loss.
+    First the common mistakes, named; then the project's tests and a few checks of its own. A
+    function whose output the project's training step cannot use does not run in it: the
+    project's own error would say nothing about the mistake."""
     tests = project_tests("test_trainer")
     from tasks.toy import build_model, build_tokenizer
     tokenizer = build_tokenizer()
     toy = (build_model(len(tokenizer)), tokenizer)      # the tests' `toy` fixture
+    problems = tb_loss_mistakes(fn)
+    if problems:
+        print("What the grader found:")
+        for problem in problems:
+            print(f"  - {problem}")
+        print()
+    unusable = any("shape" in p or "whole batch" in p or "tuple" in p or "raised" in p
+                   for p in problems)
 
     def project_test(test, *args):
         def check():
+            if unusable:
+                raise AssertionError("not run: fix what the grader found above first")
             # the student's function replaces the project's in the test module and in the
             # trainer's table of losses (which `train_step` reads)
             with swapped(tests, "tb_loss", fn), swapped(trainer.LOSSES, "tb", fn):
@@ -113,8 +199,10 @@ def grade_tb_loss(fn):
         ref_loss, ref_log_z = trainer.tb_loss(*random_groups())
         assert tuple(log_z.shape) == (3,), f"log_z should be [B] = [3], got {tuple(log_z.shape)}"
         assert loss.dim() == 0, f"loss should be a scalar, got shape {tuple(loss.shape)}"
-        torch.testing.assert_close(log_z, ref_log_z)
-        torch.testing.assert_close(loss, ref_loss)
+        assert torch.allclose(log_z, ref_log_z, atol=1e-5), \
+            f"log_z {log_z.tolist()}, want {ref_log_z.tolist()}"
+        assert torch.isclose(loss, ref_loss, atol=1e-6), \
+            f"loss {loss.item():.6f}, want {ref_loss.item():.6f}"
 
     def log_z_is_detached():
         logp, ref_logp, reward, beta = random_groups(requires_grad=True)
@@ -127,7 +215,9 @@ def grade_tb_loss(fn):
         grad, = torch.autograd.grad(fn(logp, ref_logp, reward, beta)[0], logp)
         logp, ref_logp, reward, beta = random_groups(requires_grad=True)
         ref_grad, = torch.autograd.grad(trainer.tb_loss(logp, ref_logp, reward, beta)[0], logp)
-        torch.testing.assert_close(grad, ref_grad)
+        assert torch.allclose(grad, ref_grad, atol=1e-6), \
+            f"the gradient in logp differs from the reference's by up to " \
+            f"{(grad - ref_grad).abs().max().item():.3g}"
 
     return run_checks("tb_loss", [
         ("test_tb_loss_by_hand", project_test(tests.test_tb_loss_by_hand)),
