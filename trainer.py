@@ -120,7 +120,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     off_policy = {k: host.pop(k) for k in ("log_ratio_mean", "ess_frac") if k in host}
     off_policy = off_policy if not math.isnan(off_policy.get("ess_frac", math.nan)) else {}
     lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
-    loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0   # before the scaler moves it
+    loss_scale = (scaler.get_scale() if scaler.is_enabled() and learned_log_z is not None
+                  else 1.0)                                  # read before the scaler moves it
     apply_update(optimizer, scheduler, scaler, total_loss=host["loss"],
                  grad_norm=host["grad_norm"], lr_scale=lr_scale)
     if learned_log_z is not None:   # unscaled, and skipped with the policy's on an overflow
