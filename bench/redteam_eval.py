@@ -28,7 +28,6 @@ sys.path.insert(0, str(REPO))
 
 from plumbing import checkpoint  # noqa: E402
 import config  # noqa: E402
-from llm import models  # noqa: E402
 from devices import placement  # noqa: E402
 import tasks  # noqa: E402
 
@@ -68,10 +67,9 @@ def evaluate(run_dir, args):
     task = tasks.make_task(cfg)
     attacker, tokenizer = task.load_model(device)
     start = time.time()
-    with models.autocast(device, getattr(torch, cfg.dtype)):
-        metrics, samples = task.evaluate_attacker(
-            attacker, tokenizer, attacks=args.attacks, answers=args.answers,
-            answer_tokens=args.answer_tokens, temperature=args.temperature)
+    metrics, samples = task.evaluate_attacker(     # the attacker at the run's precision, the
+        attacker, tokenizer, attacks=args.attacks,  # victim and judge as training scores
+        answers=args.answers, answer_tokens=args.answer_tokens, temperature=args.temperature)
     record = {"run": str(run_dir), "weights": str(folder), "settings": settings,
               "seconds": round(time.time() - start, 1), "metrics": metrics,
               "samples": samples[:16]}

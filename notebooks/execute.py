@@ -42,9 +42,11 @@ def source_hash(nb):
 
 def machine():
     """This machine's CPU, as a run time is reported: "2 CPU cores, AMD EPYC"."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor() or "CPU") \
-        if Path("/proc/cpuinfo").is_file() else (platform.processor() or "CPU")
+    model = platform.processor() or "CPU"
+    if Path("/proc/cpuinfo").is_file():            # Linux names the model there
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                 if line.startswith("model name")]
+        model = names[0] if names else model
     return f"{os.cpu_count()} CPU cores, {model}"
 
 

@@ -49,11 +49,7 @@ class LearnedLogZ(torch.nn.Module):
         """One gradient-descent step on the gradient the loss left (entries of prompts not in
         the batch have none), then forget it. `loss_scale`: the factor float16's GradScaler
         multiplied the loss by, which the gradient carries; `skip`: the scaler skipped the
-        policy's step (an overflow), so this one is skipped too, as is one whose own gradient
-        is not finite."""
+        policy's step (an overflow), so this one is skipped too."""
         grad, self.values.grad = self.values.grad, None
-        if grad is None or skip:
-            return
-        grad = grad / loss_scale                                               # [P]
-        if torch.isfinite(grad).all():
-            self.values -= self.lr * grad
+        if grad is not None and not skip:
+            self.values -= self.lr * grad / loss_scale

@@ -143,7 +143,7 @@ def test_the_tb_loss_grader_names_the_common_mistakes(wrong, named, capsys):
     out = capsys.readouterr().out
     assert passed < total and named in out, out
     assert "zero-dimensional" not in out and "could not use" not in out, out
-    assert not grader.tb_loss_mistakes(trainer.tb_loss)
+    assert grader.tb_loss_mistakes(trainer.tb_loss) == ([], True)
 
 
 def test_extractor_grader_uses_the_project_table():

@@ -163,23 +163,3 @@ def test_evaluation_scores_as_training_does_under_bfloat16(reward_model_dir, tin
     torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), as_trained,
                                rtol=0, atol=1e-6)
     assert not any(p.requires_grad for p in summarize.reward_model.model.parameters())
-
-
-def test_the_kl_batch_is_built_where_the_summaries_are(tiny_model_dir, monkeypatch):
-    """Every tensor of the batch the evaluation's KL is measured on lives on the device of the
-    ids it describes (a CPU mask beside CUDA ids fails on a GPU the first time it is used; on a
-    CPU-only machine every device is the CPU, so `make test-gpu` is where this can fail)."""
-    import tasks.summarize as module
-    summarize = task("--model", str(tiny_model_dir), "--max-new-tokens", "4")
-    model, tokenizer = summarize.load_model("cpu")
-    seen, group_logprobs = [], module.group_logprobs
-
-    def recording(model, batch, temperature):
-        seen.append({name: value.device for name, value in vars(batch).items()
-                     if isinstance(value, torch.Tensor)})
-        return group_logprobs(model, batch, temperature)
-
-    monkeypatch.setattr(module, "group_logprobs", recording)
-    summarize.summarize(model, tokenizer, summarize.prompts("test", tokenizer)[:2], greedy=False,
-                        n=2, ref_model=model)
-    assert seen and all(set(devices.values()) == {devices["response_ids"]} for devices in seen)

@@ -115,21 +115,24 @@ def two_groups(requires_grad=True):
 
 def tb_loss_mistakes(fn):
     """The common mistakes, in words, each with the mismatch that shows it, found from what `fn`
-    returns on `two_groups`. -> [str] (empty: none of them)"""
+    returns on `two_groups`. -> (problems [str], empty: none of them; usable: whether the
+    project's training step can take what `fn` returns: a scalar loss, one log Ẑ per prompt)"""
     try:
         out = fn(*two_groups())
     except NotImplementedError:
-        return []
+        return [], True                   # a stub: every check says "not implemented yet"
     except Exception as e:
-        return [f"tb_loss raised {type(e).__name__}: {str(e).strip()[:200]}"]
+        return [f"tb_loss raised {type(e).__name__}: {str(e).strip()[:200]}"], False
     if not (isinstance(out, tuple) and len(out) == 2 and all(map(torch.is_tensor, out))):
-        return ["return a tuple (loss, log_z) of two tensors"]
+        return ["return a tuple (loss, log_z) of two tensors"], False
     (loss, log_z), (want_loss, want_log_z) = out, trainer.tb_loss(*two_groups())
     k = 3
     shown = [round(v, 4) for v in log_z.detach().flatten().tolist()]
     want = [round(v, 4) for v in want_log_z.tolist()]
     problems = []
-    if log_z.numel() == 1 or (log_z.shape == want_log_z.shape and len(set(shown)) == 1):
+    per_prompt = log_z.shape == want_log_z.shape and len(set(shown)) > 1
+    usable = per_prompt and loss.dim() == 0
+    if log_z.numel() == 1 or (log_z.shape == want_log_z.shape and not per_prompt):
         problems.append(f"one log Ẑ for the whole batch (got {shown}, want {want}): each prompt x "
                         "has its own normaliser Z(x), so average δ over the K completions of each "
                         "row only (dim=1), one log Ẑ per prompt, shape [B]")
@@ -158,7 +161,7 @@ def tb_loss_mistakes(fn):
     elif loss.dim() == 0 and not loss.requires_grad:
         problems.append("the loss carries no gradient to logp: compute it with torch operations "
                         "on logp, without .detach(), .item() or .tolist()")
-    return problems
+    return problems, usable
 
 
 def grade_tb_loss(fn):
@@ -170,18 +173,16 @@ def grade_tb_loss(fn):
     from tasks.toy import build_model, build_tokenizer
     tokenizer = build_tokenizer()
     toy = (build_model(len(tokenizer)), tokenizer)      # the tests' `toy` fixture
-    problems = tb_loss_mistakes(fn)
+    problems, usable = tb_loss_mistakes(fn)
     if problems:
         print("What the grader found:")
         for problem in problems:
             print(f"  - {problem}")
         print()
-    unusable = any("shape" in p or "whole batch" in p or "tuple" in p or "raised" in p
-                   for p in problems)
 
     def project_test(test, *args):
         def check():
-            if unusable:
+            if not usable:
                 raise AssertionError("not run: fix what the grader found above first")
             # the student's function replaces the project's in the test module and in the
             # trainer's table of losses (which `train_step` reads)
