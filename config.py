@@ -101,9 +101,23 @@ class Config:
     lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
                              at_least(0))
-    decay_steps: int = flag(None, "final steps of linear decay to 0 (WSD); the schedule is set by "
+    decay_steps: int = flag(None, "final steps of linear decay to --lr-final (WSD); the schedule is set by "
                                   "the run's first --steps, so a resumed run that goes on past "
                                   f"them continues at the decayed rate {TASK_DEFAULT}", at_least(0))
+    lr_final: float = flag(0.0, "the learning-rate multiplier the decay ends at (0: to 0). "
+                                "GFlowNet red-teaming counts its schedule's horizon in "
+                                "gradient-accumulation steps (8 a step), so its lr ends at 0.88 of "
+                                "the peak: --decay-steps over the run and --lr-final 0.88 is it",
+                        within(0, 1))
+    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay (torch's default 0.01 is "
+                                    "GFlowNet red-teaming's; 0: none)", within(0, 1))
+    lora_rank: int = flag(0, "train a LoRA adapter of this rank (peft) on the policy's attention "
+                             "projections instead of every weight; the reference is the same "
+                             "model with the adapter off, and only the adapter travels to the "
+                             "searchers (0: full fine-tuning; GFlowNet red-teaming: 32)",
+                          at_least(0))
+    lora_alpha: float = flag(16.0, "--lora-rank: the adapter's scale α (its update is "
+                                   "α/rank · B·A)", POSITIVE)
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
                                    "bounds the trainer's memory (0: all at once, on a GPU as "
                                    "many as its memory holds: devices/memory.py) "

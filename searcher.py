@@ -13,7 +13,7 @@ import traceback
 import torch
 from transformers.utils import logging as transformers_logging
 
-from options import exploration
+from options import exploration, lora
 from llm import models
 from devices import placement
 from llm import sampling
@@ -100,6 +100,7 @@ class Searcher:
         self.rank, self.cfg = rank, cfg
         self.task = tasks.make_task(cfg)
         self.policy, self.tokenizer = self.task.load_model(device)
+        lora.add_adapter(self.policy, cfg.lora_rank, cfg.lora_alpha)
         self.dtype = getattr(torch, cfg.dtype)
         self.ref_model = models.frozen_copy(self.policy, self.dtype)
         self.reference_pass = reference_pass_size(cfg)

@@ -21,7 +21,7 @@ from transformers.utils import logging as transformers_logging
 
 from plumbing import checkpoint
 import config
-from options import learned_log_z
+from options import learned_log_z, lora
 from plumbing import loggers
 from llm import logprobs
 from llm import models
@@ -62,6 +62,7 @@ def load(cfg):
     task = tasks.make_task(cfg)
     task.check_data()                     # a missing data file is found before a model loads
     policy, tokenizer = task.load_model(device)
+    lora.add_adapter(policy, cfg.lora_rank, cfg.lora_alpha)     # --lora-rank: options/lora.py
     logprobs.check_logprobs(policy)
     if cfg.activation_checkpointing:
         logprobs.enable_activation_checkpointing(policy)
@@ -75,7 +76,9 @@ def load(cfg):
              if cfg.log_z == "learned" else None)
     optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
                                                     warmup_steps=cfg.warmup_steps,
-                                                    decay_steps=cfg.decay_steps)
+                                                    decay_steps=cfg.decay_steps,
+                                                    weight_decay=cfg.weight_decay,
+                                                    lr_final=cfg.lr_final)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     stop = run.StopRequests()
     source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,

@@ -64,6 +64,7 @@ def evaluate(run_dir, args):
     import torch
     torch.manual_seed(args.seed)
     cfg.model, cfg.out = str(folder), ""               # the trained attacker; no samples file
+    cfg.sft_steps = 0                                   # it is loaded as it is, never tuned again
     task = tasks.make_task(cfg)
     attacker, tokenizer = task.load_model(device)
     start = time.time()

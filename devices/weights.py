@@ -123,11 +123,12 @@ class WeightChannel:
 
 
 def shipped_state(model):
-    """The state dict without repeats: tied weights (embedding = output layer) appear under
-    two names but are shipped once."""
-    seen = set()
+    """The weights that train, by their state-dict names: every parameter, or a LoRA adapter's
+    only (the frozen weights a searcher loads itself and never changes). Tied weights
+    (embedding = output layer) appear under two names but are shipped once."""
+    seen, trained = set(), {p.data_ptr() for p in model.parameters() if p.requires_grad}
     return {k: v for k, v in model.state_dict().items()
-            if v.data_ptr() not in seen and not seen.add(v.data_ptr())}
+            if v.data_ptr() in trained and v.data_ptr() not in seen and not seen.add(v.data_ptr())}
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ class SynchronousSource:
     def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, lag=None):
         self.cfg, self.task, self.policy, self.ref_model, self.tokenizer = (
             cfg, task, policy, ref_model, tokenizer)
+        self.train_prompts = list(prompts)
         self.prompts = tasks.prompt_batches(prompts, 1, cfg.seed)    # one at a time
         self.prompts_used, self.last_prompts = 0, []
         self.reference_pass = searcher.reference_pass_size(cfg)

@@ -49,7 +49,11 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _from_pretrained(src, dtype, trust_remote_code, **kw):
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+    # With peft installed, transformers also looks for an adapter, and does not pass
+    # local_files_only on to that lookup (transformers 5.23): a local load would retry the hub.
+    adapter = {"adapter_kwargs": {"local_files_only": True}} if kw.get("local_files_only") else {}
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 **kw, **adapter)
     tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
     if kw.get("gguf_file"):
         # Weights are already dequantized to plain tensors; the marker would only make
@@ -132,8 +136,9 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype=torch.float32, tru
         if name.endswith(".gguf"):
             model, tokenizer = _load_gguf(path, dtype, trust_remote_code)
         elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+            if not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+                raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json, "
+                                     "nor a LoRA adapter's adapter_config.json)")
             model, tokenizer = _from_pretrained(str(path), dtype, trust_remote_code)
         elif looks_like_path:
             raise ModelLoadError(f"model path not found: {path} (pass an existing HF folder, a .gguf file or a hub id)")
@@ -161,6 +166,8 @@ def frozen_copy(model, dtype=torch.float32):
     (tests/test_models.py). An output layer tied to the embedding gets a copy of its own, so
     that the embedding is still looked up in float32, as under autocast."""
     frozen = copy.deepcopy(model).requires_grad_(False)
+    if getattr(frozen, "_hf_peft_config_loaded", False):     # a LoRA adapter (options/lora.py):
+        frozen.disable_adapters()                            # the reference is the model without it
     if dtype != torch.float32:
         for module in frozen.modules():
             if isinstance(module, torch.nn.Linear):

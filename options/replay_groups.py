@@ -10,11 +10,16 @@ Every fresh completion is trained on once, as in the on-policy loop, then on eac
 Two options of GFlowNet red-teaming's loop: --search-factor f samples f × (B − n) fresh groups a
 step, as f searchers would, trains on B − n of them and stores them all (more search per
 update); --seed-buffer N fills the buffer, before the first step, with N groups the frozen
-reference samples.
+reference samples, after the task's demonstrations (`Task.demonstrations`: red-teaming's
+human-written attacks), each scored by the task and by the reference as a sampled one is.
 """
+import math
+
 import torch
 
-from batch import GroupBatch
+from batch import REFERENCE, GroupBatch
+from llm import models
+from llm.logprobs import completion_logprobs
 
 
 class ReplayGroups:
@@ -33,6 +38,13 @@ class ReplayGroups:
         """--seed-buffer N: N groups sampled by the frozen reference at --temperature (version
         REFERENCE), scored and stored, B at a time, before the first step."""
         cfg, stored = self.cfg, 0
+        if not self.seeded:
+            pairs = self.fresh.task.demonstrations(self.fresh.train_prompts)
+            if pairs:
+                kept = store_demonstrations(self.buffer, self.fresh, pairs)
+                self.fresh.groups += math.ceil(len(pairs) / cfg.group_size)   # victim queries
+                print(f"tba: seeded the replay buffer with {len(pairs)} demonstrations, scored "
+                      f"({kept} kept: the buffer holds {len(self.buffer)} completions)", flush=True)
         while not self.seeded and stored < cfg.seed_buffer:
             n = min(cfg.prompts_per_step, cfg.seed_buffer - stored)
             batch, _ = self.fresh.next_batch(0, n, reference_frac=1.0)
@@ -81,3 +93,41 @@ class ReplayGroups:
             self.buffer.load_state_dict(state["buffer"], max_version=step)
             self.replay_sampler.set_state(state["sampler"])
             self.seeded = state.get("seeded", True)
+
+
+@torch.no_grad()
+def store_demonstrations(buffer, source, pairs, chunk=64):
+    """Store (prompt, text) pairs in `buffer` as the reference's completions (version REFERENCE:
+    never stale; no behaviour log-prob), each ended by EOS, rewarded by `source.task.score` and
+    with its log-prob under `source.ref_model`, `chunk` at a time. -> how many were stored"""
+    task, tokenizer, cfg = source.task, source.tokenizer, source.cfg
+    device = next(source.ref_model.parameters()).device
+    stored = 0
+    for s in range(0, len(pairs), chunk):
+        prompts, texts = zip(*pairs[s:s + chunk])
+        rewards, info = task.score(list(prompts), list(texts))
+        ids = [i + [tokenizer.eos_token_id]
+               for i in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+        lengths = torch.tensor([len(i) for i in ids])                           # [m]
+        responses = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
+        for row, i in enumerate(ids):                                           # [m, R]
+            responses[row, :len(i)] = torch.tensor(i)
+        unique = list({p.index: p for p in prompts}.values())                   # [n] prompts
+        owner = torch.tensor([[p.index for p in unique].index(p.index) for p in prompts])
+        width = max(len(p.ids) for p in unique)
+        prompt_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p.ids)) + list(p.ids)
+                                   for p in unique])                              # [n, P]
+        prompt_mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids)
+                                    for p in unique])                             # [n, P]
+        with models.autocast(device, getattr(torch, cfg.dtype)):
+            ref_logp = completion_logprobs(
+                source.ref_model, prompt_ids.to(device), prompt_mask.to(device),
+                responses.to(device), lengths.to(device), owner.to(device),
+                cfg.temperature).cpu()                                            # [m]
+        embeddings = torch.as_tensor(info["embeddings"]) if isinstance(info, dict) else None
+        for row, prompt in enumerate(prompts):
+            stored += buffer.add(prompt.ids, responses[row:row + 1, :lengths[row]],
+                                 lengths[row:row + 1], rewards[row:row + 1],
+                                 ref_logp[row:row + 1], math.nan, REFERENCE, prompt.index,
+                                 math.nan, None if embeddings is None else embeddings[row:row + 1])
+    return stored

@@ -24,29 +24,35 @@ def reward_temp_at(step, reward_temp, reward_temp_steps):
 
 
 class WSD:
-    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to zero.
+    """Warmup-stable-decay learning-rate multiplier: linear up, flat, linear down to `final`
+    (0 by default; GFlowNet red-teaming's schedule ends at 0.88: see --lr-final).
 
     A callable object rather than a function, so that the scheduler's state dict (and with it a
     checkpoint) carries the schedule's length: a resumed run that goes on past its first
     --steps continues at the decayed rate instead of jumping back up."""
 
-    def __init__(self, total_steps, warmup_steps, decay_steps):
+    def __init__(self, total_steps, warmup_steps, decay_steps, final=0.0):
         self.total_steps, self.warmup_steps, self.decay_steps = total_steps, warmup_steps, decay_steps
+        self.final = final
 
     def __call__(self, step):
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         decay_start = self.total_steps - self.decay_steps
         if self.decay_steps > 0 and step >= decay_start:
-            return max(0.0, (self.total_steps - step) / self.decay_steps)
+            left = max(0.0, (self.total_steps - step) / self.decay_steps)
+            return self.final + (1.0 - self.final) * left
         return 1.0
 
 
-def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0):
-    """AdamW with the WSD schedule as a LambdaLR (both go into checkpoints). The fused AdamW
-    updates every parameter in one kernel: 0.08 s a step for SmolLM2-135M on 2 CPU cores against
-    0.22 s before (bench/README.md, roofline)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+def make_optimizer(model, lr, total_steps, warmup_steps, decay_steps, weight_decay=0.0,
+                   lr_final=0.0):
+    """AdamW over the parameters that train (all of them, or a LoRA adapter's) with the WSD
+    schedule as a LambdaLR (both go into checkpoints). The fused AdamW updates every parameter
+    in one kernel: 0.08 s a step for SmolLM2-135M on 2 CPU cores against 0.22 s before
+    (bench/README.md, roofline)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WSD(total_steps, warmup_steps, decay_steps))
+        optimizer, WSD(total_steps, warmup_steps, decay_steps, lr_final))
     return optimizer, scheduler

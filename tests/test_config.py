@@ -195,7 +195,7 @@ def test_each_task_owns_its_settings(tmp_path, monkeypatch):
     gets, --help lists under it, a run of another task refuses, and a task of your own brings."""
     import dataclasses
     core = {f.name for f in dataclasses.fields(config.Config)}
-    assert len(core) <= 56 and not core & {"arith_digits", "victim_model", "data_dir"}
+    assert len(core) <= 60 and not core & {"arith_digits", "victim_model", "data_dir"}
     cfg = config.parse_args(["--task", "arith", "--arith-digits", "2"])[0]
     assert cfg.arith_digits == 2 and not hasattr(config.parse_args([])[0], "arith_digits")
     assert pickle.loads(pickle.dumps(cfg)) == cfg          # as a spawned searcher receives it

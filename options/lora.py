@@ -1,0 +1,23 @@
+"""--lora-rank r: train a LoRA adapter instead of every weight (peft, through transformers'
+`add_adapter`; GFlowNet red-teaming trains its attacker this way, r 32, α 16).
+
+Each adapted linear layer computes W·x + (α/r)·B·A·x with W frozen and only A [r, in] and
+B [out, r] trained; B starts at zero, so the adapted model starts as the model. The model keeps
+its class (a Llama stays a Llama: the project's log-probs read its decoder and output layer as
+before). What changes elsewhere: the optimiser holds the adapter's parameters only
+(`schedules.make_optimizer`), the frozen reference is the model with its adapter switched off
+(`models.frozen_copy`), only the adapter's weights travel to the searchers
+(`devices/weights.shipped_state`), and a checkpoint's model folder holds the adapter with the
+path of its base model (transformers loads both from it).
+"""
+
+
+def add_adapter(model, rank, alpha):
+    """Give `model` a LoRA adapter of `rank` on its attention's query and value projections
+    (peft's default for Llama-like models, and GFlowNet red-teaming's: they name no targets),
+    no dropout and no bias, as theirs; every other weight is frozen. rank 0: unchanged."""
+    if rank:
+        from peft import LoraConfig       # imported when used: a second of start-up otherwise
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                     task_type="CAUSAL_LM"))
+    return model
