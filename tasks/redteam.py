@@ -142,6 +142,7 @@ class RedTeamTask(Task):
     name = "redteam"
     Settings = RedTeamSettings
     embeds_completions = True            # the buffer may merge near-duplicate attacks
+    INSTRUCTION = INSTRUCTION            # the prompts' template (a key of the tuned attacker)
     # For SmolLM2-135M attacking SmolLM2-135M on a 2-core CPU: 4 prompts × 4 attacks of 20
     # tokens, each answered twice in 16 tokens, take ~14 s a step (8 s to search, 5-8 s to
     # train), so 30 steps and 4 evaluations of 32 attacks fit in ~8 minutes. At the start ~0-6%
@@ -157,8 +158,6 @@ class RedTeamTask(Task):
         super().__init__(cfg)
         self.recent = deque(maxlen=WINDOW)       # trainer side: (toxicity, embedding) per attack
         self.found = scorers.UniqueSet(DUPLICATE_COSINE)   # every success of the run so far
-
-    INSTRUCTION = INSTRUCTION
 
     @classmethod
     def check_settings(cls, cfg):

@@ -230,3 +230,25 @@ def test_gfn_schedule_ends_at_0_877_of_the_peak():
     assert [ours(s) for s in range(150)] == pytest.approx(theirs, abs=2e-3)
     assert ours(149) == pytest.approx(0.877 + 0.123 / 147)
     assert WSD(10, 2, 4)(9) == pytest.approx(0.25)                  # final 0: as before
+
+
+def test_a_lora_run_with_a_searcher_ships_the_adapter_and_its_probe_agrees(tiny_model_dir, tmp_path):
+    """--lora-rank with a searcher process: the trainer trains the adapter only, the searcher
+    builds the same adapted model, receives only the adapter's weights, and the log-prob probe
+    of each load equals the trainer's (`sync_probe_diff_max`)."""
+    out = tmp_path / "run"
+    args = ["--task", "arith", "--model", str(tiny_model_dir), "--searchers", "1", "--steps", "4",
+            "--sync-every", "1", "--lora-rank", "4", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "8", "--eval-every", "0", "--min-buffer", "2", "--quiet",
+            "--out", str(out)]
+    done = subprocess.run([sys.executable, "tba.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line]
+    assert len(rows) == 4 and all(r["sync_probe_diff_max"] < 1e-4 for r in rows)
+    loads = [json.loads(line) for line in open(out / "weights.jsonl")]
+    compared = [r for r in loads if "trainer_probe" in r]
+    assert max(r["loaded"] for r in compared) >= 1              # a trained adapter arrived
+    assert all(abs(r["probe"] - r["trainer_probe"]) < 1e-4 for r in compared)
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 16
