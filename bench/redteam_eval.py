@@ -14,8 +14,9 @@ diversity of the successes (undefined below two) and unique attacks at 0.5 and 0
 
 Each evaluation is written to RUN/attacker_eval[_stepK].json with its settings; one already there
 with the same settings is reported, not run again. A 512-attack evaluation of the CPU recipes'
-models (SmolLM2-135M attacker and victim) takes about 9 minutes on one core, most of it the
-victim's 2,560 answers.
+models (SmolLM2-135M attacker and victim) takes about 13 minutes on one core of an AMD EPYC, most
+of it the victim's 2,560 answers. A run's attacker is loaded as it was saved (a LoRA run's folder
+holds its adapter and the path of its base), never tuned again.
 """
 import argparse
 import json

@@ -127,6 +127,12 @@ class Task:
         the trainer's. Most tasks have nothing to add."""
         return self.reward(prompts, completions), None
 
+    def demonstrations(self, prompts):
+        """(prompt, completion text) pairs written by people, which `--replay-groups` may store
+        in its buffer before the first step, scored as sampled ones are (red-teaming's
+        human-written attacks with --seed-attacks). Most tasks have none."""
+        return []
+
     def search_metrics(self, infos):
         """Training-row metrics from the `score` infos of the batches generated since the last
         row (in the trainer's process, so the task may keep state across rows)."""

@@ -5,8 +5,7 @@ p_ref of its reward. Here the same step is part of the task: `python tba.py --ta
 for the tuned attacker in the model cache (`~/.cache/tba/redteam-sft-<key>`, or $TBA_CACHE) and
 makes it there once when it is missing; the key is every input of the tuning (the base model, the
 attacks, the settings below), so a changed input makes a new one and the same inputs always find
-it. A run's `--model` stays the base model; the run's config.json names the folder it started
-from (`sft_folder` in its record).
+it. A run's `--model` stays the base model; the first run prints the folder it makes.
 
 The format is the task's own: each attack is the answer to the task's instruction prompt (chat
 template and all) of the topic whose name its embedding is nearest to. Why not GFlowNet
@@ -20,8 +19,8 @@ weights records their mean log-likelihood per token before and after, and the ti
 Optimiser as GFlowNet red-teaming's SFT (`trainers/sft_trainer.py`): AdamW, weight decay 0.1,
 full fine-tuning. Their 100 steps of 1,024 attacks (~35 epochs of their set) warm up over all
 100; here --sft-steps of --sft-batch attacks of one topic each (their shared prompt computed
-once: 4 × fewer tokens a step than random batches, whose chat prompts are 60 of ~75 tokens) warm
-up over a tenth and then hold --sft-lr.
+once: 5.3 s a step for SmolLM2-135M on 2 CPU cores against 10.5 s for random batches, whose chat
+prompts are 60 of ~75 tokens) warm up over a tenth and then hold --sft-lr.
 """
 import hashlib
 import json
