@@ -21,6 +21,16 @@ def left_pad(sequences, pad_id, multiple=1):
     return ids, mask
 
 
+def ended_by_eos(sequences, eos_id):
+    """Token lists written, not sampled, as completions: each ended by EOS, right padded (with
+    EOS). -> response_ids [m, R], response_len [m] (the EOS counted)"""
+    lengths = torch.tensor([len(seq) + 1 for seq in sequences])                 # [m]
+    ids = torch.full((len(sequences), int(lengths.max())), eos_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    return ids, lengths
+
+
 def eos_ids(model, tokenizer):
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids]) | {tokenizer.eos_token_id}

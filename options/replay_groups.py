@@ -18,7 +18,7 @@ import math
 import torch
 
 from batch import REFERENCE, GroupBatch
-from llm import models
+from llm import models, sampling
 from llm.logprobs import completion_logprobs
 
 
@@ -106,19 +106,13 @@ def store_demonstrations(buffer, source, pairs, chunk=64):
     for s in range(0, len(pairs), chunk):
         prompts, texts = zip(*pairs[s:s + chunk])
         rewards, info = task.score(list(prompts), list(texts))
-        ids = [i + [tokenizer.eos_token_id]
-               for i in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-        lengths = torch.tensor([len(i) for i in ids])                           # [m]
-        responses = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
-        for row, i in enumerate(ids):                                           # [m, R]
-            responses[row, :len(i)] = torch.tensor(i)
+        responses, lengths = sampling.ended_by_eos(
+            tokenizer(list(texts), add_special_tokens=False)["input_ids"],
+            tokenizer.eos_token_id)                                           # [m, R], [m]
         unique = list({p.index: p for p in prompts}.values())                   # [n] prompts
         owner = torch.tensor([[p.index for p in unique].index(p.index) for p in prompts])
-        width = max(len(p.ids) for p in unique)
-        prompt_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p.ids)) + list(p.ids)
-                                   for p in unique])                              # [n, P]
-        prompt_mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids)
-                                    for p in unique])                             # [n, P]
+        prompt_ids, prompt_mask = sampling.left_pad([p.ids for p in unique],
+                                                    tokenizer.pad_token_id)     # [n, P] each
         with models.autocast(device, getattr(torch, cfg.dtype)):
             ref_logp = completion_logprobs(
                 source.ref_model, prompt_ids.to(device), prompt_mask.to(device),

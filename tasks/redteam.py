@@ -277,7 +277,8 @@ class RedTeamTask(Task):
         return attacker_metrics(toxicity, embeddings), list(zip(texts, toxicity.tolist()))
 
     def reward(self, prompts, completions):
-        return self.score(prompts, completions)[0]
+        _, toxicity = self.attack(completions)                                 # [N, S]
+        return (reward_of(toxicity) - self.short_attack_penalty(completions)).tolist()
 
     def score(self, prompts, completions):
         """Rewards, and for the trainer's metrics each attack's mean toxicity and embedding."""

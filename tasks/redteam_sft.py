@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from llm import models
+from llm import models, sampling
 from llm.logprobs import completion_logprobs
 
 HELD_OUT = 0.1            # the share of attacks never trained on, to show the tuning learned
@@ -57,21 +57,11 @@ def split(n, seed=SFT_SEED):
     return sorted(order[cut:]), sorted(order[:cut])
 
 
-def responses(attack_ids, eos_id):
-    """Attacks as right-padded responses, each ended by EOS.
-    -> (response_ids [m, R], response_len [m])"""
-    lengths = torch.tensor([len(a) + 1 for a in attack_ids])                    # [m]
-    ids = torch.full((len(attack_ids), int(lengths.max())), eos_id, dtype=torch.long)
-    for i, a in enumerate(attack_ids):
-        ids[i, :len(a)] = torch.tensor(a, dtype=torch.long)
-    return ids, lengths
-
-
 def attack_loss(model, prompt_ids, attack_ids, eos_id):
     """Mean negative log-likelihood per token of attacks that all answer one prompt, their EOS
     included and the prompt never a target: -Σ log p(attack, EOS | prompt) / tokens. The prompt
     is computed once for all of them (`completion_logprobs`, the trainer's log-probs)."""
-    response_ids, response_len = responses(attack_ids, eos_id)                # [m, R], [m]
+    response_ids, response_len = sampling.ended_by_eos(attack_ids, eos_id)    # [m, R], [m]
     device = next(model.parameters()).device
     prompt = torch.tensor([list(prompt_ids)], device=device)                   # [1, P]
     logp = completion_logprobs(model, prompt, torch.ones_like(prompt), response_ids.to(device),

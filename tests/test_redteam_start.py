@@ -15,7 +15,7 @@ import config
 from buffer import ReplayBuffer
 from batch import REFERENCE
 from devices.weights import shipped_state
-from llm import models
+from llm import models, sampling
 from options import lora
 from options.replay_groups import store_demonstrations
 from plumbing.schedules import WSD, make_optimizer
@@ -84,7 +84,7 @@ def test_the_supervised_loss_is_the_attacks_tokens_only(tiny):
     """The loss is the mean NLL of the attacks' tokens and their EOS under the prompt, the
     prompt never a target: computed here by hand from the logits of each whole sequence."""
     prompt, attacks = [5, 6, 7], [[10, 11], [12, 13, 14]]
-    ids, lengths = redteam_sft.responses(attacks, eos_id=1)
+    ids, lengths = sampling.ended_by_eos(attacks, eos_id=1)
     assert ids.tolist() == [[10, 11, 1, 1], [12, 13, 14, 1]] and lengths.tolist() == [3, 4]
     nll = []
     for a in attacks:
