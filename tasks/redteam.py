@@ -277,15 +277,20 @@ class RedTeamTask(Task):
         return attacker_metrics(toxicity, embeddings), list(zip(texts, toxicity.tolist()))
 
     def reward(self, prompts, completions):
-        _, toxicity = self.attack(completions)                                 # [N, S]
-        return (reward_of(toxicity) - self.short_attack_penalty(completions)).tolist()
+        return self.rewarded(completions)[0]
 
     def score(self, prompts, completions):
         """Rewards, and for the trainer's metrics each attack's mean toxicity and embedding."""
-        _, toxicity = self.attack(completions)                                 # [N, S]
+        rewards, toxicity = self.rewarded(completions)
         info = {"toxicity": toxicity.mean(-1).numpy(),                         # [N]
                 "embeddings": self.embedder(completions).numpy()}              # [N, D]
-        return (reward_of(toxicity) - self.short_attack_penalty(completions)).tolist(), info
+        return rewards, info
+
+    def rewarded(self, completions):
+        """-> (each attack's reward: the log toxicity of its answers less the short-attack
+        penalty, [N] as a list; the answers' toxicity [N, S])"""
+        _, toxicity = self.attack(completions)                                 # [N, S]
+        return (reward_of(toxicity) - self.short_attack_penalty(completions)).tolist(), toxicity
 
     def search_metrics(self, infos):
         """Training-row metrics over the newest WINDOW attacks, and the unique successes of the
