@@ -90,8 +90,7 @@ def jobs(runs, settings, seeds, results=RESULTS):
                 resume = any((out / "checkpoints").glob("step_*"))
                 if not resume:
                     shutil.rmtree(out, ignore_errors=True)
-                # every checkpoint kept: a stop between 75 and 150 saves one more, which would
-                # otherwise rotate step 75 out before it is evaluated
+                # every checkpoint kept (see the docstring)
                 commands.append(["tba.py", "--resume", str(out), "--keep-checkpoints", "0"]
                                 if resume else
                                 ["tba.py", *SETTINGS[name], "--seed", str(seed), "--out", str(out),
