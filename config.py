@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 import tasks
+import trainer
 from devices import placement
 from llm import models
 from plumbing import checkpoint, loggers
+from options import stale_tb
 from plumbing.flags import POSITIVE, TASK_DEFAULT, at_least, flag, one_of, within
 
 
@@ -37,6 +39,14 @@ RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_sa
                     "save_every", "keep_checkpoints", "quiet", "report_to", "searchers", "ray",
                     "device", "micro_groups", "micro_completions", "activation_checkpointing",
                     "dtype")
+
+
+def valid_loss(value):
+    """--loss: a name of trainer.LOSSES, tb-trust with an optional :λ."""
+    try:
+        return stale_tb.parse(value)[0] in trainer.LOSSES
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -73,8 +83,14 @@ class Config:
                            "importance ratio min(π/μ, --is-clip) of each completion: the "
                            "off-policy baseline asynchronous RL trainers ship); vcpo "
                            "(rloo-is with each step's learning rate times √(ESS/N) of the "
-                           "weights π/μ, VCPO, arXiv 2602.17616)",
-                     one_of("tb", "rloo", "rloo-is", "vcpo"))
+                           "weights π/μ, VCPO, arXiv 2602.17616); for stale data, TB that knows "
+                           "how far its sampler moved (options/stale_tb.py): tb-trust:λ (a "
+                           "residual with λ·(log π − log μ): a trust region towards the sampler; "
+                           "tb-trust is λ 1), tb-topr (the squared residuals of completions TB "
+                           "pushes down weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
+                           "step); each is TB at lag 0",
+                     (lambda v: valid_loss(v),
+                      "one of " + ", ".join(trainer.LOSSES) + " (tb-trust:λ with λ > 0)"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
                                         "or explorative groups, although it is an on-policy loss")
     is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "

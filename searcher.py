@@ -21,6 +21,7 @@ import tasks
 from batch import REFERENCE, GroupBatch
 from llm.logprobs import group_logprobs
 from devices.sync_check import receive_weights
+from plumbing.errors import NonFiniteError
 
 
 @torch.no_grad()
@@ -75,7 +76,21 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         ref_logp = [group_logprobs(ref_model, batch, temperature, completions=slice(s, s + size))
                     for s in range(0, n_completions, size)]                     # [size] each
     batch.ref_logp = torch.cat(ref_logp).view(len(prompts), group_size)       # [B, K]
+    check_finite(batch, version)
     return batch, completions
+
+
+def check_finite(batch, version):
+    """Raise NonFiniteError if a sampled log μ, a reward or a reference log-prob of the batch is
+    NaN or infinite: one such number in the buffer makes a loss NaN steps later, far from its
+    cause, and a NaN log μ would read as "not recorded" to the off-policy statistics."""
+    for name, values in (("log μ of the sampled completions", batch.behaviour_logp),
+                         ("reward", batch.reward), ("reference log-prob", batch.ref_logp)):
+        bad = ~torch.isfinite(values)                                          # [B, K]
+        if bad.any():
+            raise NonFiniteError(f"the {name} is not finite for {int(bad.sum())} of "
+                                 f"{bad.numel()} completions (e.g. {values[bad][0].item()}), "
+                                 f"sampled with the weights of version {version}")
 
 
 def reference_pass_size(cfg):
@@ -157,6 +172,8 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
                 break
             buffer.add_batch(prompt_ids, batch)
             reports.put(report)
+    except NonFiniteError as e:       # the run stops on it: a reason, not a traceback
+        reports.put({"rank": rank, "error": str(e), "reason": True})
     except BaseException:
         reports.put({"rank": rank, "error": traceback.format_exc()})
         raise

@@ -148,7 +148,7 @@ def train(cfg, setup):
                 is_clip=cfg.is_clip, temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
                 dtype=dtype, scaler=setup.scaler, reward_temp=reward_temp,
-                learned_log_z=setup.log_z)
+                learned_log_z=setup.log_z, version=version)
             placement.release_freed_heap(setup.layout.device)   # its activations, to the system
             train_s = time.time() - t0
             sync = (source.publish(policy, version=step) if step % cfg.sync_every == 0

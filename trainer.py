@@ -7,6 +7,8 @@ the synchronous loop or from the replay buffer. Seams: the log-probs of a step c
 is `options/rloo.py`'s.
 """
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -15,6 +17,7 @@ from batch import GroupBatch
 from devices.memory import groups_per_pass
 from plumbing.errors import NonFiniteError
 from llm.logprobs import group_logprobs
+from options import stale_tb
 from options.rloo import ess_step_scale, off_policy_stats, rloo_loss, truncated_is_weights
 
 
@@ -63,12 +66,34 @@ def tb_loss(logp, ref_logp, reward, beta, keep=None, log_z=None):
     return loss, log_z.detach()
 
 
-LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "rloo-is": rloo_loss, "vcpo": rloo_loss}
+# logged where known: stale_tb.diagnostics and the gradient sketch
+DIAGNOSTICS = ("log_ratio_rewarded", "log_ratio_unrewarded", "low_ratio_share", "grad_cos_prev")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A --loss: its function, (logp, ref_logp, reward, beta, **inputs) -> loss or (loss, log_z),
+    and what else it is given: `is_weight` (min(π/μ, C), options/rloo.py), `log_ratio`
+    (ρ = log π − log μ, 0 for fresh completions, options/stale_tb.py); `ess_step`: the step's
+    learning rate times √(ESS/N) (VCPO)."""
+    fn: Callable
+    is_weight: bool = False
+    log_ratio: bool = False
+    ess_step: bool = False
+
+
+LOSSES = {"tb": Loss(tb_loss), "rloo": Loss(rloo_loss),
+          "rloo-is": Loss(rloo_loss, is_weight=True),
+          "vcpo": Loss(rloo_loss, is_weight=True, ess_step=True),
+          "tb-trust": Loss(stale_tb.tb_trust_loss, log_ratio=True),
+          "tb-topr": Loss(stale_tb.tb_topr_loss, log_ratio=True),
+          "tb-ess": Loss(tb_loss, ess_step=True)}
 
 
 def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", is_clip=2.0,
                temperature=1.0, micro_groups=None, max_grad_norm=None, micro_completions=0,
-               dtype=torch.float32, scaler=None, reward_temp=1.0, learned_log_z=None):
+               dtype=torch.float32, scaler=None, reward_temp=1.0, learned_log_z=None,
+               version=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups
     (`micro_groups`: each log Ẑ stays the mean over its own K, so the sum is the full batch's
     gradient exactly; `micro_completions` splits further, see `backward_micro_batch`).
@@ -78,7 +103,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     update: one such step would turn every weight, and every searcher's samples, into NaN.
     tb only: `reward_temp` τ tempers the target to (p_ref·exp(r/β))^(1/τ) (log p_ref and r
     divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ) replaces the group estimate of
-    log Z and takes its own step with the policy's.
+    log Z and takes its own step with the policy's. `version`: the updates the policy has had
+    (a group sampled by that version is fresh: options/stale_tb.py).
 
     Host work is what a small model on a GPU waits for, so the step reads the device once: the
     shapes of every pass are decided from the batch's lengths before it moves (`host_lengths`),
@@ -101,7 +127,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
             part_loss, logp, log_z = backward_micro_batch(
                 model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
                 micro_completions=micro_completions, dtype=dtype, scaler=scaler,
-                reward_temp=reward_temp, learned_log_z=learned_log_z, lengths=lengths)
+                reward_temp=reward_temp, learned_log_z=learned_log_z, lengths=lengths,
+                version=version)
             total_loss = total_loss + part_loss                                # []
             logps.append(logp)                                                 # [n, K]
             if log_z is not None:
@@ -110,16 +137,34 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     stats = step_stats(logp, batch, kept)                                      # 0-dim tensors
     if log_zs:                                                                 # RLOO has none
         stats["log_z"] = torch.cat(log_zs).float().mean()
+    spec = LOSSES[stale_tb.parse(loss)[0]]
     if batch.behaviour_logp is not None:
         stats.update(off_policy_stats(logp, batch.behaviour_logp, batch.keep))
+        if spec.ess_step:   # a completion sampled by these very weights has π/μ = 1 exactly
+            rho = stale_tb.log_ratio(logp, batch.behaviour_logp, batch.version, version)
+            stats["step_ess_frac"] = off_policy_stats(rho, torch.zeros_like(rho),
+                                                      batch.keep)["ess_frac"]
+    if batch.behaviour_logp is not None:      # why stale data may hurt (options/stale_tb.py)
+        stats.update(stale_tb.diagnostics(logp, batch, kept, torch.cat(log_zs) if log_zs
+                                          else None, beta))
     grad_norm = clip_gradient(model, optimizer, scaler, max_grad_norm)         # []
+    if not hasattr(optimizer, "gradient_sketch"):    # the run's, checkpointed with it (run.state)
+        optimizer.gradient_sketch = stale_tb.GradientSketch(model)
+    stats["grad_cos_prev"] = optimizer.gradient_sketch.cosine()
     names = ["loss", "grad_norm", *stats]
     values = torch.stack([torch.as_tensor(total_loss, device=device, dtype=torch.float32),
                           grad_norm.float(), *(v.float() for v in stats.values())])
     host = dict(zip(names, values.tolist()))       # the step's one read of the device
     off_policy = {k: host.pop(k) for k in ("log_ratio_mean", "ess_frac") if k in host}
-    off_policy = off_policy if not math.isnan(off_policy.get("ess_frac", math.nan)) else {}
-    lr_scale = ess_step_scale(off_policy) if loss == "vcpo" else 1.0
+    if not host.pop("recorded", 0):           # no completion with a recorded log μ: no figures
+        off_policy = {}
+    elif not math.isfinite(off_policy["ess_frac"]):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"ESS/N of the batch's weights π/μ is {off_policy['ess_frac']:.4g} "
+                             f"(mean log π/μ {off_policy['log_ratio_mean']:.4g}); the update was "
+                             f"not applied")
+    step_ess = host.pop("step_ess_frac", math.nan)
+    lr_scale = ess_step_scale({"ess_frac": step_ess} if off_policy else {}) if spec.ess_step else 1.0
     loss_scale = (scaler.get_scale() if scaler.is_enabled() and learned_log_z is not None
                   else 1.0)                                  # read before the scaler moves it
     apply_update(optimizer, scheduler, scaler, total_loss=host["loss"],
@@ -139,7 +184,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         "equal_reward_frac": host["equal_reward_frac"],
         "grad_norm": host["grad_norm"],
         **off_policy,
-        **({"lr_scale": lr_scale} if loss == "vcpo" else {}),
+        **{k: host[k] for k in DIAGNOSTICS if not math.isnan(host.get(k, math.nan))},
+        **({"lr_scale": lr_scale} if spec.ess_step else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
 
@@ -166,7 +212,7 @@ def equal_reward_frac(reward, kept):
 
 def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,
                          micro_completions, dtype, scaler, reward_temp=1.0, learned_log_z=None,
-                         lengths=None):
+                         lengths=None, version=None):
     """Add the gradient of groups `part`, weighted by their share of the batch, to the model's.
     With `micro_completions` m < n·K, a no-grad pass scores all n·K, then each gradient pass
     takes m of them with the others held at their no-grad values: since ∇L = Σ_i ∂L/∂logp_i ·
@@ -190,14 +236,20 @@ def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature
                               completions=slice(s, s + size), lengths=lengths)  # [size]
         if size < n * k:
             logp = torch.cat([held[:s], logp, held[s + size:]])                 # [n·K]
-        extra = {} if batch.keep is None else {"keep": batch.keep[part]}
-        if loss in ("rloo-is", "vcpo"):
+        name, extra = stale_tb.parse(loss)         # tb-trust:λ -> its λ
+        spec = LOSSES[name]
+        if batch.keep is not None:
+            extra["keep"] = batch.keep[part]
+        if spec.is_weight:
             extra["is_weight"] = truncated_is_weights(
                 logp.view(n, k), batch.behaviour_logp[part], is_clip)          # [n, K]
+        if spec.log_ratio:
+            extra["log_ratio"] = stale_tb.log_ratio(
+                logp.view(n, k), batch.behaviour_logp[part], batch.version[part], version)
         if learned_log_z is not None:     # its gradient taken once, in the first pass
             log_z = learned_log_z(batch.prompt_index[part])                      # [n]
             extra["log_z"] = log_z if s == 0 else log_z.detach()
-        out = LOSSES[loss](logp.view(n, k), batch.ref_logp[part] / reward_temp,
+        out = spec.fn(logp.view(n, k), batch.ref_logp[part] / reward_temp,
                            batch.reward[part] / reward_temp, beta, **extra)
         part_loss, log_z = out if isinstance(out, tuple) else (out, None)
         if learned_log_z is not None:

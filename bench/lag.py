@@ -45,8 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 TASKS = {
-    "arith": dict(flags=[],
-                  losses=("tb", "rloo-is", "vcpo"), lags=(16, 4, 0), metric="eval/accuracy",
+    "arith": dict(flags=["--eval-n", "0"],                 # all 200 test problems
+                  losses=("tb", "tb-trust", "tb-topr", "tb-ess", "rloo-is", "vcpo"),
+                  lags=(16, 4, 0), metric="eval/accuracy",
                   better="higher", save_every=10),    # ~70 min a run: a stopped one resumes
     "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is", "vcpo"), lags=(128, 32, 0),
                 metric="toy/tv", better="lower"),
@@ -70,11 +71,13 @@ def finished(run_dir, steps):
     return bool(evals) and evals[-1]["step"] == steps and len(train) == steps
 
 
-def flags(task, loss, lag, seed, steps, dtype="auto"):
+def flags(task, setting, lag, seed, steps, dtype="auto"):
+    """A setting is a --loss, or LOSS@LR: that loss at learning rate LR (e.g. tb@6e-6)."""
+    loss, _, lr = setting.partition("@")
     uncorrected = ["--rloo-off-policy"] if loss == "rloo" else []    # on stale data, as asked
     return ["--task", task, "--searchers", "0", "--lag", str(lag), "--loss", loss, "--seed",
             str(seed), "--steps", str(steps), "--dtype", dtype, *uncorrected,
-            *TASKS[task]["flags"]]
+            *(["--lr", lr] if lr else []), *TASKS[task]["flags"]]
 
 
 def run_all(todo, lanes, save_every=0):
@@ -122,12 +125,28 @@ def summary(values, digits=3):
             f"[{min(values):.{digits}f}–{max(values):.{digits}f}] (n={len(values)})")
 
 
+DIAGNOSTICS = ("grad_norm", "grad_cos_prev", "low_ratio_share", "log_ratio_rewarded",
+               "log_ratio_unrewarded", "reward_mean")
+
+
+def largest_fall(values):
+    """The largest drop from an evaluation to any later one (0 if it never falls)."""
+    best, fall = -float("inf"), 0.0
+    for v in values:
+        best = max(best, v)
+        fall = max(fall, best - v)
+    return fall
+
+
 def report(task, runs, seeds, steps, plot_to):
     spec, metric = TASKS[task], TASKS[task]["metric"]
     print(f"\n{task}: {metric} ({spec['better']} is better), {len(seeds)} seeds; "
           f"flags {' '.join(spec['flags']) or '(task defaults)'}\n")
-    print(f"| loss | L | final {metric} | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
-    print("|---|---|---|---|---|---|---|")
+    sign = 1 if spec["better"] == "higher" else -1
+    print(f"| loss | L | final {metric} | mean of the last 3 evaluations | largest fall after "
+          f"step 25 | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    why = []                       # the diagnostics of each setting: means over steps and seeds
     finals, curves = {}, {}
     for loss in spec["losses"]:
         for lag in sorted(spec["lags"]):
@@ -148,8 +167,22 @@ def report(task, runs, seeds, steps, plot_to):
             ratio = [statistics.mean(r["log_ratio_mean"] for r in t) for t, _ in data
                      if "log_ratio_mean" in t[0]]
             kl = [t[-1]["kl"] for t, _ in data]
-            print(f"| {loss} | {lag} | {summary(final)} | {curve} | {summary(ess)} | "
-                  f"{summary(ratio)} | {summary(kl)} |")
+            last3 = [statistics.mean(e[metric] for e in evals[-3:]) for _, evals in data]
+            fall = [largest_fall([e[metric] * sign for e in evals if e["step"] >= 25])
+                    for _, evals in data]
+            print(f"| {loss} | {lag} | {summary(final)} | {summary(last3)} | {summary(fall)} | "
+                  f"{curve} | {summary(ess)} | {summary(ratio)} | {summary(kl)} |")
+            why.append((loss, lag, [[statistics.mean(r[k] for r in t if k in r) if any(
+                k in r for r in t) else None for t, _ in data] for k in DIAGNOSTICS]))
+    print("\nWhy (means over each run's steps, then over seeds): the pre-clip gradient norm, the "
+          "cosine between consecutive gradients, the share of TB's per-completion weight on "
+          "completions with π/μ < e^-2, the mean log π/μ of completions rewarded above and "
+          "below their group's mean, the mean reward\n")
+    print("| loss | L | " + " | ".join(DIAGNOSTICS) + " |")
+    print("|---|---|" + "---|" * len(DIAGNOSTICS))
+    for loss, lag, columns in why:
+        print(f"| {loss} | {lag} | " + " | ".join(
+            summary([v for v in column if v is not None]) for column in columns) + " |")
     if plot_to and finals:
         import matplotlib
         matplotlib.use("Agg")
@@ -186,7 +219,8 @@ def main(argv=None):
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lags", type=int, nargs="+", help="default: the task's")
-    parser.add_argument("--losses", nargs="+", help="default: the task's")
+    parser.add_argument("--losses", nargs="+", help="default: the task's; LOSS@LR runs LOSS at "
+                        "learning rate LR (e.g. tb@6e-6 tb-trust:4@1e-5)")
     parser.add_argument("--lanes", type=int, default=1, choices=(1, 2))
     parser.add_argument("--runs", type=Path, help="default: runs/bench-lag-TASK, with "
                         "-STEPS when --steps is given")

@@ -14,8 +14,8 @@ trainer's step would take its memory and its time. CPU threads are split on a GP
 a searcher's tokenising, scoring and Python work, and the trainer's, are CPU work, and
 processes that each take every core slow each other down more than they gain.
 
-Only `torch.cuda.device_count`, `is_available`, `is_bf16_supported` and `set_device` are asked
-of CUDA here, and `tensor_device` is where a process's tensors go: the tests replace these with a
+Only `torch.cuda.device_count`, `is_available`, `is_bf16_supported`, `set_device` and
+`torch.backends.cudnn.version` are asked of CUDA here, and `tensor_device` is where a process's tensors go: the tests replace these with a
 strict fake (tests/fake_cuda.py) to check all of this on a machine without a GPU.
 """
 import ctypes
@@ -105,7 +105,37 @@ def set_up_process(device, threads):
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention()[0])
     return tensor_device(device)
+
+
+# cuDNN's scaled-dot-product attention returns NaN in its backward pass when a row of the mask
+# hides every key and the key length is 64 mod 128 (pytorch/pytorch#196678, fixed by a cuDNN
+# upgrade that torch guards up to 9.25.1 in pytorch/pytorch#196861), and another backward NaN
+# is reported on 9.26 on an H200 (NVIDIA/cudnn-frontend#1072). From torch 2.11 SDPA prefers
+# cuDNN on sm90 cards. tba's masks leave no row empty (`logprobs.prompt_attention_mask`); this
+# keeps the kernel off too where the installed cuDNN is one of those named.
+CUDNN_SDPA_SOUND_FROM = 92700     # cuDNN 9.27.0, as torch.backends.cudnn.version() writes it
+CUDNN_SDPA_ENV = "TBA_CUDNN_SDPA"  # 1: cuDNN's attention on whatever the version, 0: off
+
+
+def cudnn_attention():
+    """Whether this process lets SDPA use cuDNN's attention, and why, in words.  -> (bool, str)
+    The environment variable TBA_CUDNN_SDPA (1 or 0) decides where set; otherwise it is on only
+    where the installed cuDNN is newer than every version with a known NaN backward."""
+    choice = os.environ.get(CUDNN_SDPA_ENV, "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"{CUDNN_SDPA_ENV}={choice!r}: set it to 1 (cuDNN's attention on) or 0 "
+                         f"(off), or unset it to decide by the cuDNN version")
+    version = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    named = (f"cuDNN {version // 10000}.{version // 100 % 100}.{version % 100}" if version
+             else "no cuDNN")
+    if choice:
+        return choice == "1", f"{'on' if choice == '1' else 'off'} ({CUDNN_SDPA_ENV}={choice}, {named})"
+    if version is not None and version >= CUDNN_SDPA_SOUND_FROM:
+        return True, f"on ({named}, newer than the versions with a NaN backward)"
+    return False, (f"off: {named} has a NaN attention backward (pytorch/pytorch#196678); "
+                   f"{CUDNN_SDPA_ENV}=1 turns it on")
 
 
 def describe(layout, shared_bytes=None, shm="/dev/shm"):
@@ -117,6 +147,8 @@ def describe(layout, shared_bytes=None, shm="/dev/shm"):
     where = " (Ray actors, on their own nodes)" if layout.ray else ""
     for rank, device in enumerate(layout.searcher_devices):
         lines.append(f"    searcher {rank:<2} {device}, {layout.threads} thread(s){where}")
+    if layout.gpus:
+        lines.append(f"    cuDNN attention {cudnn_attention()[1]}")
     if layout.searcher_devices and not layout.ray:
         need = ("two copies of the weights + the replay buffer (sized when the model loads)"
                 if shared_bytes is None else f"{shared_bytes / GB:.2f} GB")

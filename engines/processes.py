@@ -62,7 +62,8 @@ class SearcherPool:
             except queue.Empty:
                 break
             if "error" in report:
-                raise SearcherError(f"searcher {report['rank']} failed:\n{report['error']}")
+                raise SearcherError(f"searcher {report['rank']} failed:"
+                                    + (" " if report.get("reason") else "\n") + report["error"])
             reports.append(report)
         for rank, p in enumerate(self.processes):
             if not p.is_alive():

@@ -57,6 +57,35 @@ def cache_of(layers):
     return cache
 
 
+def prompt_attention_mask(model, prompt_mask, padded, key_width=None):
+    """The attention mask of a pass over left-padded prompts, in which no query row has every key
+    masked: a pad position attends to itself alone, a real token to the real tokens up to it.
+    prompt_mask: [n, P], 1 on real tokens; `padded`: whether any prompt is shorter than P, a
+    bool the caller knows on the host. Unpadded: `prompt_mask` itself, which transformers turns
+    into the plain causal path.                           -> [n, P], or [n, 1, P, P] when padded
+
+    Why: with transformers' own mask a pad position of a shorter prompt is a query row with
+    every key masked. A CPU returns 0 for such a row; GPU kernels may return NaN (cuDNN's SDPA
+    backward, pytorch/pytorch#196678), and a NaN times the zero gradient of a pad row is still
+    NaN in the weights'. A real token's row is the same in both masks, so its log-probs are too.
+    Built for "sdpa" (booleans) and "eager" (0 / -inf to add); other attention implementations
+    (flash attention drops the pad positions) get the 2-D mask as before. `key_width`: the keys
+    a cache of fixed size holds (sampling's static cache), the slots after the prompt masked."""
+    implementation = model.config._attn_implementation
+    if not padded or implementation not in ("sdpa", "eager"):
+        return prompt_mask
+    n, p = prompt_mask.shape
+    earlier = torch.ones(p, p, dtype=torch.bool, device=prompt_mask.device).tril()   # [P, P]
+    itself = torch.eye(p, dtype=torch.bool, device=prompt_mask.device)                # [P, P]
+    seen = (earlier & prompt_mask.bool()[:, None, :]) | itself                        # [n, P, P]
+    if key_width is not None:                                                 # [n, P, key_width]
+        seen = torch.nn.functional.pad(seen, (0, key_width - p), value=False)
+    if implementation == "sdpa":
+        return seen[:, None]                                                     # [n, 1, P, P]
+    blocked = torch.finfo(model.dtype).min
+    return torch.zeros(seen.shape, device=seen.device).masked_fill(~seen, blocked)[:, None]
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_len, owner,
                         temperature=1.0, chunk_size=64, widths=None):
     """Sum of log p(token) over the response tokens of m completions, completion i continuing
@@ -78,16 +107,20 @@ def completion_logprobs(model, prompt_ids, prompt_mask, response_ids, response_l
     tensor ever exists. The log-probs are float32 whatever the model's dtype. This needs the
     output layer to be a plain map of the last hidden state (`check_logprobs`).
 
-    `widths` (prompt width, response width), ints known on the host (`GroupBatch.host_lengths`):
-    the columns to keep; None: read from the tensors (two host syncs on a GPU).
+    `widths` (widest prompt, widest response, shortest prompt), ints known on the host
+    (`GroupBatch.host_lengths`): the columns to keep, and whether the prompts need padding
+    (`prompt_attention_mask`); None: read from the tensors (three host syncs on a GPU).
     """
     if widths is None:
-        widths = int(prompt_mask.sum(-1).max()), int(response_len.max())
-    width, r = widths              # columns of padding only, in prompts and responses, dropped
+        prompt_len = prompt_mask.sum(-1)                                       # [n]
+        widths = int(prompt_len.max()), int(response_len.max()), int(prompt_len.min())
+    width, r, shortest = widths    # columns of padding only, in prompts and responses, dropped
     response_ids = response_ids[:, :r]                                         # [m, R']
     prompt_ids, prompt_mask = prompt_ids[:, -width:], prompt_mask[:, -width:]  # [n, P']
     layers = [PromptRecorder() for _ in range(model.config.num_hidden_layers)]
-    prompt = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+    prompt = model.base_model(input_ids=prompt_ids,
+                              attention_mask=prompt_attention_mask(model, prompt_mask,
+                                                                   padded=shortest < width),
                               position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
                               past_key_values=cache_of(layers), use_cache=True)
     cache = cache_of([PromptReader(layer.keys[owner], layer.values[owner])    # [m, heads, P', d]
@@ -131,7 +164,8 @@ def group_logprobs(model, batch: GroupBatch, temperature=1.0, groups=slice(None)
     if not kept:
         return torch.zeros(len(owners), device=device)
     first, last = owners[kept[0]], owners[kept[-1]] + 1           # the prompts it continues
-    widths = (max(prompt_len[groups][first:last]), max(lens[i] for i in kept))
+    continued = prompt_len[groups][first:last]
+    widths = (max(continued), max(lens[i] for i in kept), min(continued))
     owner = torch.arange(n, device=device).repeat_interleave(k)[completions]  # [m]
     chosen = slice(None) if len(kept) == len(owners) else index_on(kept, device)
     logp = completion_logprobs(

@@ -5,6 +5,7 @@ import torch
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList)
 
+from llm.logprobs import prompt_attention_mask
 from llm.static_decoding import (PREFIX, PROMPT_BUCKET, STATIC, compile_works, default_cache,
                                  static_cache)
 
@@ -85,7 +86,8 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     response. A set `stop_event` ends generation after the current token.
 
     `cache` (default: `default_cache(device)`): PREFIX computes each prompt's keys and values
-    once, not once per sample: all but its last token are prefilled and the cache repeated
+    once, not once per sample: all but its last token are prefilled (`prefill`, which also keeps
+    every pad position's attention row from being empty) and the cache repeated
     `num_samples`-fold; the random draws are those of the prompts repeated first, so a seed
     gives the same tokens (tests/test_models.py). STATIC prefills every sample's copy of its
     prompt into a cache of fixed size, prompts padded to a multiple of PROMPT_BUCKET, and on a
@@ -98,16 +100,18 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
                          multiple=PROMPT_BUCKET if cache == STATIC else 1)     # [B, P]
     ids, mask = ids.to(device), mask.to(device)
     b, p = ids.shape
+    padded = min(map(len, prompt_ids)) < p                 # known on the host: no device read
     past = None
-    if cache == PREFIX and num_samples > 1 and p > 1:
-        past = model.base_model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
-                                position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
-                                use_cache=True).past_key_values                # [B, ·, P-1, ·]
+    if cache == PREFIX and p > 1 and (num_samples > 1 or padded):
+        past = prefill(model, ids, mask, padded)                               # [B, ·, P-1, ·]
         past.batch_repeat_interleave(num_samples)                              # [B·n, ·, P-1, ·]
     eos = eos_ids(model, tokenizer)
     static = {}
     if cache == STATIC:
         past = static_cache(model, b * num_samples, p + max_new_tokens)
+        if p > 1:                                                          # [B·n, ·, P+R, ·]
+            prefill(model, ids.repeat_interleave(num_samples, 0),
+                    mask.repeat_interleave(num_samples, 0), padded, past, p + max_new_tokens)
         static = dict(disable_compile=torch.device(device).type == "cuda" and not compile_works())
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
@@ -134,6 +138,18 @@ def generate(model, tokenizer, prompt_ids, num_samples=1, max_new_tokens=256, te
     in_response = torch.arange(token_logp.shape[-1], device=device) < response_len[..., None]
     behaviour_logp = torch.where(in_response, token_logp, 0.0).sum(-1)                # [B, n]
     return ids, mask, response_ids, response_len, behaviour_logp
+
+
+def prefill(model, ids, mask, padded, cache=None, key_width=None):
+    """Run all but the last token of left-padded prompts ids, mask [N, P] into `cache` (None: a
+    new DynamicCache), for `generate` to continue. Ours rather than generate's own prefill so
+    that no query row of a pad position has every key masked (`prompt_attention_mask`): GPU
+    attention kernels may return NaN for such a row. `padded`: whether any prompt is shorter
+    than P; `key_width`: the slots of a static `cache`.                          -> the cache"""
+    attention = prompt_attention_mask(model, mask[:, :-1], padded, key_width)
+    return model.base_model(input_ids=ids[:, :-1], attention_mask=attention,
+                            position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=cache, use_cache=True).past_key_values
 
 
 def decode(tokenizer, response_ids, response_len):

@@ -44,12 +44,14 @@ def off_policy_metrics(logp, behaviour_logp, keep=None):
     without a recorded log μ (NaN), or not kept, are left out.
     logp, behaviour_logp: [B, K]; keep: [B, K] bool or None                      -> dict"""
     stats = off_policy_stats(logp, behaviour_logp, keep)
-    values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))      # one transfer
-    return values if not math.isnan(values["ess_frac"]) else {}
+    values = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))
+    recorded = values.pop("recorded")                                           # one transfer
+    return values if recorded else {}
 
 
 def off_policy_stats(logp, behaviour_logp, keep=None):
-    """`off_policy_metrics` as 0-dim tensors, NaN where no completion counts, computed with
+    """`off_policy_metrics` as 0-dim tensors, NaN where no completion counts ("recorded": how
+    many do), computed with
     masks rather than by selecting the counted ones: no value is read on the host, so the trainer
     gathers these with its other statistics in one transfer.                -> dict of tensors"""
     log_ratio = logp.detach() - behaviour_logp                                  # [B, K]
@@ -59,7 +61,7 @@ def off_policy_stats(logp, behaviour_logp, keep=None):
     log_ess = (2 * torch.where(counted, log_ratio, -math.inf).logsumexp((0, 1))
                - torch.where(counted, 2 * log_ratio, -math.inf).logsumexp((0, 1)))
     return {"log_ratio_mean": torch.where(counted, log_ratio, 0.0).sum() / n,   # NaN if n = 0
-            "ess_frac": log_ess.exp() / n}
+            "ess_frac": log_ess.exp() / n, "recorded": n}
 
 
 def ess_step_scale(off_policy):

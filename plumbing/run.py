@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from options.stale_tb import GradientSketch
 from plumbing import checkpoint
 from plumbing.checkpoint import WriteError
 from plumbing.errors import NonFiniteError, SearcherError
@@ -73,6 +74,7 @@ def state(progress, *, optimizer, scheduler, scaler, task, source, log_z=None):
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "source": source.state_dict(),
             **({"log_z": log_z.state_dict()} if log_z is not None else {}),
+            "gradient_sketch": getattr(getattr(optimizer, "gradient_sketch", None), "previous", None),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
@@ -96,6 +98,7 @@ def restore(run_dir, *, steps, policy, optimizer, scheduler, scaler, task, sourc
     print(f"resuming {run_dir} at {latest.name}", flush=True)
     saved = checkpoint.load(latest, policy)
     optimizer.load_state_dict(saved["optimizer"])
+    optimizer.gradient_sketch = GradientSketch(policy, saved.get("gradient_sketch"))
     scheduler.load_state_dict(saved["scheduler"])
     scaler.load_state_dict(saved["scaler"])
     task.load_state_dict(saved["task"])

@@ -1,7 +1,8 @@
 """A strict fake of CUDA, so that placement and every process's device set-up are tested on a
 machine without a GPU.
 
-`FakeCuda(n)` makes torch report n GPUs (bfloat16 on unless told otherwise) and refuses what
+`FakeCuda(n)` makes torch report n GPUs (bfloat16 on unless told otherwise, and a cuDNN
+version) and refuses what
 the real torch.cuda refuses: `set_device` of an index-less device ("cuda") or of an index past
 the last GPU, and `synchronize` likewise. Tensors stay on the CPU (`placement.tensor_device`),
 pinned memory is recorded rather than made. Every `set_device` is appended to a log file,
@@ -35,8 +36,8 @@ def fake_is_pinned(tensor, *args, **kwargs):
 
 
 class FakeCuda:
-    def __init__(self, count, bf16=True, log=None):
-        self.count, self.bf16, self.log = count, bf16, log
+    def __init__(self, count, bf16=True, log=None, cudnn=91002):
+        self.count, self.bf16, self.log, self.cudnn = count, bf16, log, cudnn   # cuDNN 9.10.2
         self.current = 0
         self.rng = {}                                  # index -> random state (a CPU one's copy)
 
@@ -78,6 +79,7 @@ class FakeCuda:
         patch(torch.cuda, "set_device", self.set_device)
         patch(torch.cuda, "current_device", lambda: self.current)
         patch(torch.cuda, "synchronize", self.synchronize)
+        patch(torch.backends.cudnn, "version", lambda: self.cudnn if self.count else None)
         patch(torch.cuda, "get_rng_state", self.get_rng_state)
         patch(torch.cuda, "set_rng_state", self.set_rng_state)
         patch(torch.cuda, "get_rng_state_all",

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import re
 import subprocess
 import sys
 import threading
@@ -184,6 +185,48 @@ def test_killed_searcher_stops_the_run(tmp_path):
     assert_all_exit(children)
     train_rows, _ = rows(metrics)                       # every line written is intact JSON
     assert len(train_rows) >= 5
+
+
+NAN_TASK = """
+from llm import sampling
+from tasks.toy import ToyTask
+
+recorded = sampling.TemperatureAndLogMu.token_logp
+calls = []
+
+
+def nan_from_the_third_batch(self, new_ids):      # what a GPU kernel's NaN would leave
+    calls.append(1)
+    logp = recorded(self, new_ids)
+    return logp * float("nan") if len(calls) >= 3 else logp
+
+
+sampling.TemperatureAndLogMu.token_logp = nan_from_the_third_batch
+
+
+class NanToy(ToyTask):
+    pass
+"""
+
+
+@pytest.mark.parametrize("searchers", [0, 1])
+def test_a_nan_log_mu_stops_the_run_naming_the_searcher_step_and_quantity(searchers, tmp_path):
+    """A searcher (or the synchronous loop's sampling) whose third batch records a NaN log μ:
+    nothing enters the buffer, the run stops with exit 1 and one line that names who, after
+    which step, and what was not finite."""
+    (tmp_path / "nan_task.py").write_text(NAN_TASK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    result = subprocess.run([sys.executable, "tba.py", "--task", "nan_task:NanToy", "--searchers",
+                             str(searchers), "--steps", "50", "--eval-every", "0",
+                             "--out", str(tmp_path / "run")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 1, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(r"after step \d+: " + ("searcher 0 failed: " if searchers else "")
+                     + r"the log μ of the sampled completions is not finite for \d+ of \d+ "
+                     r"completions \(e\.g\. nan\), sampled with the weights of version \d+",
+                     error[0]), error[0]
 
 
 def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):

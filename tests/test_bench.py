@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,9 @@ def test_vs_trl_report_only_reports_the_finished_runs_and_starts_none(tmp_path):
 
 def test_the_gpu_check_runs_on_tiny_shapes(tiny_model_dir, tmp_path):
     """bench/gpu.py, the check prepared for the first GPU machine, on the CPU with tiny shapes,
-    so that it cannot rot while no GPU is at hand: every section reports its figures, none fails."""
+    so that it cannot rot while no GPU is at hand: every section reports its figures, none fails
+    or runs out of its share of the time; the trainer gets left-padded prompts of different
+    lengths (arith's, one step's widest 64 tokens), and the report says which attention ran."""
     out = tmp_path / "check"
     done = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--device", "cpu",
                            "--out", str(out), "--model-files", str(tiny_model_dir),
@@ -137,14 +140,39 @@ def test_the_gpu_check_runs_on_tiny_shapes(tiny_model_dir, tmp_path):
     report = (out / "gpu.md").read_text()
     assert "failed" not in report and "skipped" not in report, report
     figures = json.loads((out / "gpu.json").read_text())
+    assert all(figures[f"section_s/{s}"] <= figures[f"share_s/{s}"]
+               for s in ("memory", "search", "profile", "trainer", "sync", "overlap"))
+    assert "Attention: SDPA backends enabled" in report and figures["cudnn_version"] is None
+    assert set(figures["sdp_enabled"]) == {"cudnn", "flash", "mem_efficient", "math"}
+    assert "Attention kernels in one arith step (widest prompt 64" in report
+    assert figures["sdpa_backends"] and any("scaled_dot_product" in n for n in figures["sdpa_kernels"])
     assert len([k for k in figures if k.startswith("step_s/")]) == 4
     for cache in ("prefix", "static"):                # batch 2 × 3 and 4 × 3: "140" and "560"
         for batch in (6, 12):
             assert figures[f"tokens_per_s/tiny Llama/{cache}/{batch}"] > 0
-        assert figures[f"decode_syncs/{cache}"] == 1 and figures[f"decode_ops/{cache}"] > 0
+        assert figures[f"decode_ops/{cache}"] > 0
         assert (out / f"profile-decode-{cache}.txt").is_file()
+    # HF's stop check; with padded prompts the eager loop's mask check adds one (transformers'
+    # `_ignore_causal_mask_sdpa` reads the padding mask each step)
+    assert figures["decode_syncs/static"] == 1 and 1 <= figures["decode_syncs/prefix"] <= 2
     assert 0 < figures["trainer_syncs"] <= 3 and (out / "profile-trainer-step.txt").is_file()
     assert len([k for k in figures if k.startswith("train_step_s/")]) == 2
+    for shape in ("arith", "recipe"):                 # [steps][B] prompt lengths, left padded
+        steps = figures[f"train_prompt_lengths/{shape}"]
+        assert len(steps) == 3 and all(min(lengths) < max(lengths) for lengths in steps)
+        assert figures[f"train_finite/{shape}"] == [True] * 3
+    assert 64 in [max(lengths) for lengths in figures["train_prompt_lengths/arith"]]
     assert figures["searcher_load_s"] > 0
+    assert figures["finite/0"] and figures["finite/1"] and figures["steps_done/1"] == 4
     assert figures["samples_per_s/0"] > 0 and figures["samples_per_s/1"] > 0
     assert figures["staleness/1"] > 0 == figures["staleness/0"]
+
+
+def test_the_gpu_check_skips_what_its_share_cannot_hold():
+    """A section's clock: its first measurement starts; a later one, assumed to take as long as
+    the longest so far, is skipped and named when less than that is left."""
+    clock = _bench("gpu").Clock(0.3)
+    assert clock.next("first")
+    time.sleep(0.2)                                  # the first took 0.2 s; 0.1 s is left
+    assert not clock.next("second") and clock.skipped == ["second"]
+    assert clock.next("third") is False and clock.skipped == ["second", "third"]

@@ -95,6 +95,43 @@ def test_every_process_sets_itself_up_on_the_device_it_was_given(gpus, monkeypat
         torch.cuda.set_device(torch.device("cuda"))          # the fake refuses as torch does
 
 
+@pytest.mark.parametrize("cudnn, env, on", [(92000, None, False), (92501, None, False),
+                                             (92600, None, False), (92700, None, True),
+                                             (92000, "1", True), (92700, "0", False)])
+def test_cudnn_attention_is_off_where_its_backward_is_known_to_return_nan(cudnn, env, on,
+                                                                        monkeypatch, capsys):
+    """cuDNN up to 9.26 has a NaN attention backward (pytorch/pytorch#196678 and
+    NVIDIA/cudnn-frontend#1072): each process's set-up turns cuDNN's SDPA off there, the layout
+    says so in one line, and TBA_CUDNN_SDPA=1 or 0 decides instead where a user sets it."""
+    FakeCuda(1, cudnn=cudnn).install(monkeypatch.setattr)
+    if env is None:
+        monkeypatch.delenv(placement.CUDNN_SDPA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(placement.CUDNN_SDPA_ENV, env)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(not on)
+        placement.set_up_process("cuda:0", 1)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == on
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    _, out = dry_run_layout(capsys)
+    line = next(line for line in out.splitlines() if "cuDNN attention" in line)
+    version = f"cuDNN 9.{cudnn // 100 % 100}.{cudnn % 100}"
+    assert version in line and line.split("cuDNN attention ")[1].startswith("on" if on else "off")
+    if not on and env is None:
+        assert "pytorch/pytorch#196678" in line and "TBA_CUDNN_SDPA=1" in line
+
+
+def test_a_bad_cudnn_attention_setting_is_one_error_line(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv(placement.CUDNN_SDPA_ENV, "yes")
+    assert tba.main(["--task", "gsm8k", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: TBA_CUDNN_SDPA='yes': set it to 1 (cuDNN's attention on) or 0 (off), or unset "
+        "it to decide by the cuDNN version"]
+
+
 def test_a_run_with_searchers_on_the_other_gpus(monkeypatch, tmp_path):
     """Four fake GPUs, the trainer on cuda:1, two searcher processes: each process sets up the
     device the layout gives it (searchers on cuda:0 and cuda:2, none on the trainer's), each

@@ -186,7 +186,7 @@ def grade_tb_loss(fn):
                 raise AssertionError("not run: fix what the grader found above first")
             # the student's function replaces the project's in the test module and in the
             # trainer's table of losses (which `train_step` reads)
-            with swapped(tests, "tb_loss", fn), swapped(trainer.LOSSES, "tb", fn):
+            with swapped(tests, "tb_loss", fn), swapped(trainer.LOSSES, "tb", trainer.Loss(fn)):
                 test(*args)
         return check
 
