@@ -60,23 +60,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from plumbing import plot  # noqa: E402
-from lag import finished, run_all, summary  # noqa: E402  the lag bench's runner and report
+from lag import finished, largest_fall, run_all, summary  # noqa: E402  the lag bench's runner and report
 
 SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]
 BETA_02 = ["--beta", "0.2", "--beta-final", "0.2"]        # arith's default in rounds 8-12
 BETA_005_BF16 = ["--dtype", "bfloat16", "--beta", "0.05", "--beta-final", "0.05"]
 CHECKPOINTS_S = (120, 240, 360)           # "so far" at these wall times
 SUMMARIZE_CHECKPOINTS_S = (240, 360)      # its evaluations come ~3 min apart
-
-
-def largest_fall(evals, key, after):
-    """The most an evaluation after step `after` lies below the best one before it (0: none)."""
-    best, fall = -float("inf"), 0.0
-    for e in evals:
-        if e["step"] > after:
-            fall = max(fall, best - e[key])
-        best = max(best, e[key])
-    return fall
 
 
 def chance_of_fall(accuracy, problems, evaluations, fall):

@@ -129,12 +129,14 @@ DIAGNOSTICS = ("grad_norm", "grad_cos_prev", "low_ratio_share", "log_ratio_rewar
                "log_ratio_unrewarded", "reward_mean")
 
 
-def largest_fall(values):
-    """The largest drop from an evaluation to any later one (0 if it never falls)."""
+def largest_fall(evals, key, after):
+    """The most an evaluation after step `after` lies below the best one before it (0: none).
+    Also used by bench/compare.py."""
     best, fall = -float("inf"), 0.0
-    for v in values:
-        best = max(best, v)
-        fall = max(fall, best - v)
+    for e in evals:
+        if e["step"] > after:
+            fall = max(fall, best - e[key])
+        best = max(best, e[key])
     return fall
 
 
@@ -142,7 +144,7 @@ def report(task, runs, seeds, steps, plot_to):
     spec, metric = TASKS[task], TASKS[task]["metric"]
     print(f"\n{task}: {metric} ({spec['better']} is better), {len(seeds)} seeds; "
           f"flags {' '.join(spec['flags']) or '(task defaults)'}\n")
-    sign = 1 if spec["better"] == "higher" else -1
+    sign = 1 if spec["better"] == "higher" else -1      # a fall is a step the wrong way
     print(f"| loss | L | final {metric} | mean of the last 3 evaluations | largest fall after "
           f"step 25 | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -168,8 +170,8 @@ def report(task, runs, seeds, steps, plot_to):
                      if "log_ratio_mean" in t[0]]
             kl = [t[-1]["kl"] for t, _ in data]
             last3 = [statistics.mean(e[metric] for e in evals[-3:]) for _, evals in data]
-            fall = [largest_fall([e[metric] * sign for e in evals if e["step"] >= 25])
-                    for _, evals in data]
+            fall = [largest_fall([{**e, metric: sign * e[metric]} for e in evals], metric,
+                                 after=25) for _, evals in data]
             print(f"| {loss} | {lag} | {summary(final)} | {summary(last3)} | {summary(fall)} | "
                   f"{curve} | {summary(ess)} | {summary(ratio)} | {summary(kl)} |")
             why.append((loss, lag, [[statistics.mean(r[k] for r in t if k in r) if any(
@@ -214,6 +216,57 @@ def report(task, runs, seeds, steps, plot_to):
         print(f"\nplot: {plot_to}")
 
 
+def plot_why(task, runs, seeds, steps, plot_to, window=5):
+    """Per setting with a finished run, the diagnostics against step (a moving mean over
+    `window` steps, the first seed's run): the cosine between consecutive gradients, the
+    share of TB's weight on completions with π/μ < e⁻², the mean log π/μ of rewarded and
+    unrewarded completions, and the reward of the sampler μ against that of the policy π being
+    trained. With an exact lag L, π's own samples are the groups it draws for step t + L, so
+    π's reward at step t is the batch reward logged at step t + L: no extra sampling."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    spec = TASKS[task]
+    panels = [("grad_cos_prev", "cosine of consecutive gradients"),
+              ("low_ratio_share", "share of TB's weight, π/μ < e⁻²"),
+              ("log_ratio", "mean log π/μ: rewarded (—), unrewarded (- -)"),
+              ("reward", "reward: μ's batches (—), π's own (- -)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    smooth = lambda xs: [statistics.mean(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
+    for i, (loss, lag) in enumerate((lo, la) for lo in spec["losses"] for la in sorted(spec["lags"])):
+        run = next((folder(runs, loss, lag, s) for s in seeds
+                    if finished(folder(runs, loss, lag, s), steps)), None)
+        if run is None:
+            continue
+        rows, color, label = read(run)[0], f"C{i}", f"{loss}, L = {lag}"
+        step = [r["step"] for r in rows]
+        for ax, (key, title) in zip(axes, panels):
+            if key == "log_ratio":
+                for name, style in (("log_ratio_rewarded", "-"), ("log_ratio_unrewarded", "--")):
+                    have = [(r["step"], r[name]) for r in rows if name in r]
+                    if have:
+                        ax.plot([a for a, _ in have], smooth([b for _, b in have]), style,
+                                color=color, label=label if style == "-" else None)
+            elif key == "reward":
+                reward = [r["reward_mean"] for r in rows]
+                ax.plot(step, smooth(reward), "-", color=color, label=label)
+                if lag:                                       # π_t sampled step t + L's groups
+                    ax.plot(step[:-lag], smooth(reward[lag:]), "--", color=color)
+            else:
+                have = [(r["step"], r[key]) for r in rows if key in r]
+                if have:
+                    ax.plot([a for a, _ in have], smooth([b for _, b in have]), color=color,
+                            label=label)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{task}: why stale data hurts (moving mean over {window} steps, seed {seeds[0]})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(plot_to, dpi=120)
+    print(f"plot: {plot_to}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("task", choices=sorted(TASKS))
@@ -233,6 +286,7 @@ def main(argv=None):
                         help="every run's --dtype: float32 to extend a grid run on a machine "
                         "without native bfloat16 (auto picks bfloat16 where it is faster)")
     parser.add_argument("--plot", type=Path, help="PNG of final metric against lag")
+    parser.add_argument("--plot-why", type=Path, help="PNG of the diagnostics against step")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     spec = TASKS[args.task]
@@ -256,6 +310,8 @@ def main(argv=None):
     if not args.report_only:
         run_all(todo, args.lanes, save_every=spec.get("save_every", 0))
     report(args.task, runs, args.seeds, steps, args.plot)
+    if args.plot_why:
+        plot_why(args.task, runs, args.seeds, steps, args.plot_why)
 
 
 if __name__ == "__main__":

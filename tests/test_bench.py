@@ -176,3 +176,31 @@ def test_the_gpu_check_skips_what_its_share_cannot_hold():
     time.sleep(0.2)                                  # the first took 0.2 s; 0.1 s is left
     assert not clock.next("second") and clock.skipped == ["second"]
     assert clock.next("third") is False and clock.skipped == ["second", "third"]
+
+
+def test_the_lag_reports_falls_last_evaluations_and_why(tmp_path, capsys):
+    """bench/lag.py's report and diagnostics plot on two made-up 50-step runs at L = 16: the
+    final metric, the mean of the last 3 evaluations and the largest fall after step 25 below
+    the best before it, by hand."""
+    lag = _bench("lag")
+    curves = {"tb": [0.4, 0.6, 0.9, 0.8, 0.5, 0.7], "tb-trust": [0.4, 0.6, 0.8, 0.9, 0.9, 0.95]}
+    for loss, accuracy in curves.items():
+        run = lag.folder(tmp_path, loss, 16, 3)
+        run.mkdir()
+        rows = [{"step": s, "loss": 1.0, "kl": 0.1, "reward_mean": s / 50, "grad_norm": 10.0,
+                 "ess_frac": 0.5, "log_ratio_mean": -1.0, "log_ratio_rewarded": -0.5,
+                 "log_ratio_unrewarded": -2.0, "low_ratio_share": 0.2,
+                 **({"grad_cos_prev": 0.1} if s > 1 else {})} for s in range(1, 51)]
+        evals = [{"step": 10 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + evals))
+    lag.main(["arith", "--report-only", "--runs", str(tmp_path), "--steps", "50", "--seeds", "3",
+              "--lags", "16", "--losses", "tb", "tb-trust", "--plot-why", str(tmp_path / "why.png")])
+    out = capsys.readouterr().out
+    tb = next(line for line in out.splitlines() if line.startswith("| tb | 16 |"))
+    # final 0.7; last three (0.8 + 0.5 + 0.7) / 3; the fall: 0.9 at step 20 to 0.5 at step 40
+    assert "| 0.700 ± 0.000" in tb and "| 0.667 ± 0.000" in tb and "| 0.400 ± 0.000" in tb
+    trust = next(line for line in out.splitlines() if line.startswith("| tb-trust | 16 |"))
+    assert "| 0.000 ± 0.000" in trust                       # it never falls
+    why = next(line for line in out.splitlines() if line.startswith("| tb | 16 | 10.000"))
+    assert "0.100 ± 0.000" in why and "0.200 ± 0.000" in why
+    assert (tmp_path / "why.png").stat().st_size > 10_000
