@@ -454,7 +454,7 @@ def check_combination(cfg):
                          "is not set: add --search-temperature LOW HIGH, or drop it")
     for name, on in ((f"--reward-temp {cfg.reward_temp}", cfg.reward_temp != 1),
                      (f"--log-z {cfg.log_z}", cfg.log_z != "group")):
-        if on and cfg.loss != "tb":
+        if on and not cfg.loss.startswith("tb"):             # tb and its stale-data forms
             raise ValueError(f"{name} shapes trajectory balance's target, and --loss is "
                              f"{cfg.loss}: use --loss tb, or drop it")
     if cfg.replay_groups and cfg.lag:

@@ -53,11 +53,12 @@ def tb_topr_loss(logp, ref_logp, reward, beta, log_ratio, keep=None, log_z=None)
     and log Ẑ stays the plain group mean.                                  -> (loss, log_z)"""
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep     # [B, K]
     n = keep.sum(1)                                                              # [B]
-    _, log_z = trainer.tb_loss(logp, ref_logp, reward, beta, keep=keep, log_z=log_z)     # [B]
     delta = torch.where(keep, logp - ref_logp - reward / beta, 0.0)            # [B, K]
+    estimate = -(delta.sum(1) / n).detach()                                     # [B], as tb_loss
+    log_z = estimate if log_z is None else torch.where(log_z.isnan(), estimate, log_z)
     residual = torch.where(keep, log_z[:, None] + delta, 0.0)                   # [B, K]
     taper = torch.where(residual.detach() > 0, log_ratio.detach().clamp(max=0).exp(), 1.0)
-    return ((taper * residual.pow(2)).sum(1) / n).mean(), log_z
+    return ((taper * residual.pow(2)).sum(1) / n).mean(), log_z.detach()
 
 
 def parse(name):
