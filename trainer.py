@@ -144,7 +144,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
             rho = stale_tb.log_ratio(logp, batch.behaviour_logp, batch.version, version)
             stats["step_ess_frac"] = off_policy_stats(rho, torch.zeros_like(rho),
                                                       batch.keep)["ess_frac"]
-    if batch.behaviour_logp is not None:      # why stale data may hurt (options/stale_tb.py)
+        # why stale data may hurt (options/stale_tb.py)
         stats.update(stale_tb.diagnostics(logp, batch, kept, torch.cat(log_zs) if log_zs
                                           else None, beta))
     grad_norm = clip_gradient(model, optimizer, scaler, max_grad_norm)         # []
