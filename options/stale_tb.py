@@ -36,15 +36,20 @@ import trainer            # tb_loss, read when called: trainer imports this modu
 def log_ratio(logp, behaviour_logp, version, current):
     """ρ = log π − log μ of each completion, 0 where it was sampled by the weights of version
     `current` (the ones being trained: π is μ; None: none is) or has no recorded log μ. The
-    gradient flows through log π.  logp, behaviour_logp: [B, K]; version: [B, K] or [B]        -> [B, K]"""
+    gradient flows through log π.
+    logp, behaviour_logp: [B, K]; version: [B, K] or [B]                          -> [B, K]"""
     version = version if version.dim() == 2 else version[:, None].expand_as(logp)   # [B, K]
-    fresh = behaviour_logp.isnan() | (version == (-2 if current is None else current))
+    fresh = behaviour_logp.isnan()                                               # [B, K]
+    if current is not None:
+        fresh = fresh | (version == current)
     return torch.where(fresh, 0.0, logp - torch.nan_to_num(behaviour_logp))      # [B, K]
 
 
 def tb_trust_loss(logp, ref_logp, reward, beta, log_ratio, strength=1.0, keep=None, log_z=None):
-    """`tb_loss` with residual log Ẑ + δ_i + λ·ρ_i (λ = `strength`, ρ = `log_ratio`). -> (loss, log_z)"""
-    return trainer.tb_loss(logp + strength * log_ratio, ref_logp, reward, beta, keep=keep, log_z=log_z)
+    """`tb_loss` with residual log Ẑ + δ_i + λ·ρ_i (λ = `strength`, ρ = `log_ratio`).
+    -> (loss, log_z)"""
+    return trainer.tb_loss(logp + strength * log_ratio, ref_logp, reward, beta, keep=keep,
+                           log_z=log_z)
 
 
 def tb_topr_loss(logp, ref_logp, reward, beta, log_ratio, keep=None, log_z=None):
