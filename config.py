@@ -30,7 +30,8 @@ from devices import placement
 from llm import models
 from plumbing import checkpoint, loggers
 from options import stale_tb
-from plumbing.flags import POSITIVE, TASK_DEFAULT, at_least, flag, one_of, within
+from plumbing.flags import (BETA, LEARNING_RATE, POSITIVE, TASK_DEFAULT, at_least, flag,
+                            one_of, within)
 
 
 # What may change when a run is resumed: how long it goes on, how it is watched and where it
@@ -87,7 +88,8 @@ class Config:
                            "how far its sampler moved (options/stale_tb.py): tb-trust:λ (a "
                            "residual with λ·(log π − log μ): a trust region towards the sampler; "
                            "tb-trust is λ 1), tb-topr (the squared residuals of completions TB "
-                           "pushes down weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
+                           "pushes down weighted by min(1, π/μ)), tb-is (every squared "
+                           "residual weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
                            "step); each is TB at lag 0",
                      (lambda v: valid_loss(v),
                       "one of " + ", ".join(trainer.LOSSES) + " (tb-trust:λ with λ > 0)"))
@@ -95,8 +97,8 @@ class Config:
                                         "or explorative groups, although it is an on-policy loss")
     is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "
                                "completion (slime and verl use 2, TBA-prime 8)", POSITIVE)
-    beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", POSITIVE)
-    beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", POSITIVE)
+    beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", BETA)
+    beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", BETA)
     beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
                            at_least(0))
     reward_temp: float = flag(1.0, "--loss tb: τ at step 0, annealed linearly to 1 over "
@@ -114,7 +116,7 @@ class Config:
                                 "each step moves a prompt's log Z 2·lr/B of the way to its "
                                 "group's estimate; B/2: all the way)", POSITIVE)
     # the optimiser
-    lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", POSITIVE)
+    lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", LEARNING_RATE)
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
                              at_least(0))
     decay_steps: int = flag(None, "final steps of linear decay to --lr-final (WSD); the schedule is set by "
@@ -362,8 +364,10 @@ def parse_args(argv=None):
     for name in sorted(given - names):
         owners = [t for t in tasks.TASKS
                   if name in {f.name for f in dataclasses.fields(tasks.task_class(t).Settings)}]
-        raise ValueError(f"--{name.replace('_', '-')} is a setting of {', '.join(owners)}, not "
-                         f"of --task {values['task']}: drop it, or train {owners[0]}")
+        where = (f"{actions['config']}: {name.replace('_', '-')}" if name in actions["recipe"]
+                 else f"--{name.replace('_', '-')}")
+        raise ValueError(f"{where} is a setting of {', '.join(owners)}, not of --task "
+                         f"{values['task']}: drop it, or train {owners[0]}")
     return settings(**values), given, actions
 
 
@@ -425,6 +429,36 @@ def check_ranges(cfg):
         value, valid = getattr(cfg, f.name), f.metadata["valid"]
         if value is not None and valid is not None and not passes(valid, value):
             raise ValueError(f"--{f.name.replace('_', '-')} must be {valid[1]} (got {value})")
+
+
+# Settings that act only with another: given on the command line without it, they would be
+# printed and recorded as if they counted. (name, does it act in run c?, on what, why not, fix)
+BUFFERED = lambda c: c.searchers or c.replay_groups          # noqa: E731
+NEEDS = [
+    ("sync_every", lambda c: c.searchers, "the searchers", "--searchers is 0",
+     "use --searchers 1 or more, or "),
+    ("max_staleness", BUFFERED, "a replay buffer", "--searchers 0 has none",
+     "use --searchers 1 or more or --replay-groups, or "),
+    ("priority_temp", BUFFERED, "a replay buffer", "--searchers 0 has none",
+     "use --searchers 1 or more or --replay-groups, or "),
+    ("log_z_lr", lambda c: c.log_z == "learned", "a learned log Z", "--log-z is group",
+     "add --log-z learned, or "),
+    ("lora_alpha", lambda c: c.lora_rank, "a LoRA adapter", "--lora-rank is 0",
+     "add --lora-rank R, or "),
+    ("model", lambda c: tasks.task_class(c.task).reads_model, "the policy it loads",
+     "this task builds its own model", ""),
+    ("trust_remote_code", lambda c: tasks.task_class(c.task).reads_model, "the model it loads",
+     "this task builds its own model", ""),
+]
+
+
+def check_given(cfg, flags):
+    """Every setting given on the command line (`flags`; a recipe's keys may be general) acts
+    in this run: one `NEEDS` rule for each setting that acts only with another."""
+    for name, acts, on, why_not, fix in NEEDS:
+        if name in flags and not acts(cfg):
+            raise ValueError(f"--{name.replace('_', '-')} acts on {on}, and {why_not}: {fix}"
+                             "drop it")
 
 
 def check_combination(cfg):
@@ -531,6 +565,16 @@ def check_combination(cfg):
 
 
 
+def planned_length(planned, recipe_steps, task_steps):
+    """The run length a task's or recipe's schedule (`planned`: its SCHEDULE values) was made
+    for: the recipe's steps, else the task's, the first that the schedule fits; else the
+    shortest run it fits. So a recipe copied with a smaller `steps` and its schedule left as it
+    was has that schedule fitted as `--steps` on the command line would fit it."""
+    span = max(planned["warmup_steps"] + planned["decay_steps"], planned["beta_steps"],
+               planned["reward_temp_steps"] or 0)
+    return next((n for n in (recipe_steps, task_steps) if n and n >= span), span)
+
+
 def fit_schedule(cfg, from_task, task_steps):
     """Warm-up + decay, and β's annealing, must fit in --steps: a trial run shorter than the
     task's (or the recipe's) gets that schedule shrunk in proportion (shown by `describe`); a
@@ -594,9 +638,9 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
         cfg.out = f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_ranges(cfg)
     if not cfg.resume:          # a resumed run keeps the schedule of its first session
-        planned = {**task_defaults, **recipe}       # the schedule and the run it was made for
+        planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}   # the task's plan
         cfg = fit_schedule(cfg, from_task | (set(SCHEDULE) & set(recipe)),
-                           recipe_steps or planned.get("steps", cfg.steps))
+                           planned_length(planned, recipe_steps, task_defaults.get("steps")))
     check_combination(cfg)
     return cfg
 
@@ -608,7 +652,8 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     settings."""
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
-    planned = {**task_defaults, **recipe, **({"steps": recipe_steps} if recipe_steps else {})}
+    planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}
+    planned["steps"] = planned_length(planned, recipe_steps, task_defaults.get("steps"))
     groups, title = {}, None
     own = {f.name for f in dataclasses.fields(tasks.task_class(cfg.task).Settings)}
     for f in dataclasses.fields(cfg):
@@ -648,14 +693,21 @@ def read_run_config(run):
         raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
                          "written by tba.py, such as runs/<name>")
     try:
-        saved = json.loads(path.read_text())["config"]
+        record = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    if isinstance(record, dict) and "config" not in record:
+        raise ValueError(f"{run} is not a run folder (its config.json is not a run's; a model "
+                         "folder?): pass a folder written by tba.py, such as runs/<name>")
+    try:
+        saved = record["config"]
         assert isinstance(saved, dict)
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
     try:
         fields = {f.name for f in dataclasses.fields(settings_class(saved.get("task", "toy")))}
-    except ValueError:
-        fields = set()
+    except ValueError as e:              # e.g. your own task's module is not importable here
+        raise ValueError(f"{run} was trained on a task that cannot be loaded here: {e}") from None
     if set(saved) != fields:
         differ = sorted(set(saved) ^ fields)
         raise ValueError(f"{run} was written by an incompatible version of tba (settings "
@@ -678,7 +730,8 @@ def resumed_config(cfg, given):
     latest = checkpoint.latest(run)
     if latest is None:
         raise ValueError(f"{run} has no checkpoint to resume from (it stopped before its first "
-                         "one): start it again with another --out, or delete the folder")
+                         f"one): start it again, with --out {run} if it trained no step, else "
+                         "with another --out")
     overrides = {name: getattr(cfg, name) for name in given if name in RESUME_OVERRIDES}
     cfg = resolve(settings(**{**saved, **overrides, "resume": str(run),
                                           "out": str(run)}))

@@ -21,7 +21,7 @@ import tasks
 from batch import REFERENCE, GroupBatch
 from llm.logprobs import group_logprobs
 from devices.sync_check import receive_weights
-from plumbing.errors import NonFiniteError
+from plumbing.errors import NonFiniteError, diverged_policy_named
 
 
 @torch.no_grad()
@@ -41,7 +41,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     temperatures, from_reference = exploration.temperatures_and_samplers(
         len(prompts), temperature, search_temperature, reference_frac, explore_frac)  # [B], [B]
     ids = [p.ids for p in prompts]
-    with models.autocast(device, dtype):
+    with models.autocast(device, dtype), diverged_policy_named(version):
         if from_reference.any():          # --reference-frac: the reference samples some groups
             generated = exploration.generate_with_reference(
                 policy, ref_model, tokenizer, ids, from_reference,

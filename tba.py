@@ -122,7 +122,7 @@ def train(cfg, setup):
 
     log = None
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        run.make_folder(cfg)
         record = run.run_record(cfg, setup.layout)
         run.write_json(out / "config.json", record)
         log = run.MetricsLog(out / "metrics.jsonl", resume_step=first_step if cfg.resume else None,
@@ -220,6 +220,7 @@ def main(argv=None):
         cfg = (config.resumed_config(cfg, given) if cfg.resume
                else config.resolve(cfg, recipe=actions["recipe"], measure=not actions["dry_run"],
                                    recipe_steps=actions["recipe_steps"]))
+        config.check_given(cfg, given - set(actions["recipe"]))
         run.check_out_folder(cfg, try_writing=not actions["dry_run"])
         print(config.describe(cfg, given, recipe=actions["recipe"],
                               recipe_steps=actions["recipe_steps"]), flush=True)
@@ -237,7 +238,8 @@ def main(argv=None):
         print(f"error: {e}; {run.how_to_continue(cfg.out)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted; metrics so far are in {cfg.out}/metrics.jsonl", file=sys.stderr)
+        print(f"interrupted after step {setup.progress.step}; {run.how_to_continue(cfg.out)}",
+              file=sys.stderr)
         return 130
     return 0
 

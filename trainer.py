@@ -87,6 +87,7 @@ LOSSES = {"tb": Loss(tb_loss), "rloo": Loss(rloo_loss),
           "vcpo": Loss(rloo_loss, is_weight=True, ess_step=True),
           "tb-trust": Loss(stale_tb.tb_trust_loss, log_ratio=True),
           "tb-topr": Loss(stale_tb.tb_topr_loss, log_ratio=True),
+          "tb-is": Loss(stale_tb.tb_is_loss, log_ratio=True),
           "tb-ess": Loss(tb_loss, ess_step=True)}
 
 

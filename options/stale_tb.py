@@ -18,6 +18,10 @@ from ρ_i = log π(y_i) − log μ(y_i) (`log_ratio`); `trainer.LOSSES` register
               those pushed up are untouched. Stale negatives that π already left behind
               (π/μ ≪ 1) stop dragging the step. TOPR applies it to rewards below a baseline in
               REINFORCE; here the sign is TB's residual, which is REINFORCE's advantage.
+  tb-is       the same taper on every completion, pushed up or down: TB's gradient with
+              truncated importance weights min(1, π/μ) (V-trace's c̄ = 1, arXiv 1802.01561;
+              `rloo-is` truncates at 2 and uses RLOO's baseline). Samples π has left count
+              for little, whichever way the step would move them.
   tb-ess      TB with each step's learning rate times √(min(1, ESS/N)) of the weights π/μ, the
               step of VCPO (arXiv 2602.17616; `rloo.ess_step_scale`): the control that tells a
               loss's effect from a smaller step.
@@ -52,18 +56,32 @@ def tb_trust_loss(logp, ref_logp, reward, beta, log_ratio, strength=1.0, keep=No
                            log_z=log_z)
 
 
-def tb_topr_loss(logp, ref_logp, reward, beta, log_ratio, keep=None, log_z=None):
-    """`tb_loss` with each squared residual weighted by w_i = min(1, π/μ) where the residual is
-    positive (the step lowers log π of that completion), 1 elsewhere; w is not differentiated
-    and log Ẑ stays the plain group mean.                                  -> (loss, log_z)"""
+def tapered_tb_loss(logp, ref_logp, reward, beta, taper, keep=None, log_z=None):
+    """`tb_loss` with each squared residual weighted by taper(residual) [B, K], which is not
+    differentiated; log Ẑ stays the plain group mean.                      -> (loss, log_z)"""
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep     # [B, K]
     n = keep.sum(1)                                                              # [B]
     delta = torch.where(keep, logp - ref_logp - reward / beta, 0.0)            # [B, K]
     estimate = -(delta.sum(1) / n).detach()                                     # [B], as tb_loss
     log_z = estimate if log_z is None else torch.where(log_z.isnan(), estimate, log_z)
     residual = torch.where(keep, log_z[:, None] + delta, 0.0)                   # [B, K]
-    taper = torch.where(residual.detach() > 0, log_ratio.detach().clamp(max=0).exp(), 1.0)
-    return ((taper * residual.pow(2)).sum(1) / n).mean(), log_z.detach()
+    weight = taper(residual.detach())                                           # [B, K]
+    return ((weight * residual.pow(2)).sum(1) / n).mean(), log_z.detach()
+
+
+def tb_topr_loss(logp, ref_logp, reward, beta, log_ratio, keep=None, log_z=None):
+    """`tapered_tb_loss` with w_i = min(1, π/μ) where the residual is positive (the step lowers
+    log π of that completion), 1 elsewhere.                                -> (loss, log_z)"""
+    ratio = log_ratio.detach().clamp(max=0).exp()                               # [B, K]
+    return tapered_tb_loss(logp, ref_logp, reward, beta, keep=keep, log_z=log_z,
+                           taper=lambda residual: torch.where(residual > 0, ratio, 1.0))
+
+
+def tb_is_loss(logp, ref_logp, reward, beta, log_ratio, keep=None, log_z=None):
+    """`tapered_tb_loss` with w_i = min(1, π/μ) on every completion.       -> (loss, log_z)"""
+    ratio = log_ratio.detach().clamp(max=0).exp()                               # [B, K]
+    return tapered_tb_loss(logp, ref_logp, reward, beta, keep=keep, log_z=log_z,
+                           taper=lambda residual: ratio)
 
 
 def parse(name):

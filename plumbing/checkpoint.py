@@ -105,8 +105,10 @@ def save_pretrained(model, tokenizer, folder):
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    except Exception as e:               # safetensors reports a full disk as its own error
+    except BaseException as e:           # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):     # a second Ctrl-C
+            raise
         raise WriteError(f"cannot write {folder} ({reason(e)})") from e
     if folder.exists():
         folder.rename(old)
@@ -144,8 +146,10 @@ def save(run_dir, step, model, tokenizer, trainer_state, keep=2):
         if buffer_state is not None:
             with open(tmp / "buffer.pt", "wb") as f:
                 torch.save(buffer_state, f)
-    except Exception as e:
+    except BaseException as e:           # a second Ctrl-C too: no half-written folder stays
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
         raise WriteError(f"cannot write checkpoint {final} ({reason(e)})") from e
     tmp.rename(final)
     for old in all_checkpoints(run_dir)[:-keep] if keep > 0 else []:

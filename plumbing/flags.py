@@ -1,6 +1,7 @@
 """How a setting is declared: `flag(default, help, valid)`, a dataclass field that carries its
 --help text and the rule its value must follow. `config.Config` declares the core settings with
 it, and each task its own (`tasks.Task.Settings`): one command line, one recipe format."""
+import math
 from dataclasses import field
 
 
@@ -25,4 +26,8 @@ def one_of(*choices):
 
 
 POSITIVE = (lambda v: v > 0), "greater than 0"
+# Values that cannot train: AdamW moves each weight by about lr a step (above 1: noise), and
+# β below 1e-4 puts rewards of order 1 at 10,000 nats, past what the loss's precision holds.
+LEARNING_RATE = (lambda v: 0 < v <= 1), "greater than 0 and at most 1"
+BETA = (lambda v: 1e-4 <= v < math.inf), "at least 0.0001 and finite"
 TASK_DEFAULT = "(default: the task's choice)"

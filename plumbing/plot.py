@@ -10,6 +10,7 @@ synchronous runs are compared: the same curve reached sooner. matplotlib is only
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 TRAINING_PANELS = {"reward_mean": "mean reward", "loss": "loss", "log_z": "log Ẑ",
@@ -33,6 +34,9 @@ def read_metrics(run):
             rows.append(json.loads(line))
         except ValueError:          # the line a running (or crashed) run is still writing
             continue
+    if not rows:
+        raise ValueError(f"{path} has no rows yet: plot the run after its first evaluation or "
+                         "step")
     return [r for r in rows if "loss" in r], [r for r in rows if "loss" not in r]
 
 
@@ -60,7 +64,12 @@ def plot_runs(runs, out_dir):
     panels = ([(k, TRAINING_PANELS[k], 0) for k in TRAINING_PANELS] + [(k, k, 0) for k in task_keys]
               + [(k, k, 1) for k in eval_keys])
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:                                   # before drawing: a folder that cannot take the PNGs
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: cannot write there ({e.strerror}): pass a writable "
+                         "folder") from None
     paths = []
     for x_key, x_label in (("step", "trainer step"), ("time", "wall time (s)")):
         cols = 3

@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -33,14 +34,46 @@ from plumbing.checkpoint import WriteError
 from plumbing.errors import NonFiniteError, SearcherError
 
 
+# What a run writes into its folder (the README's list above, and the loggers' and options'
+# files): a new run's --out holds only these, or it is not this project's to write into.
+RUN_FILES = {"config.json", "metrics.jsonl", "metrics.discarded.jsonl", "samples.jsonl",
+             "weights.jsonl", "error.log", "checkpoints", "final", ".tmp-final", ".old-final",
+             "lag", "tensorboard", "wandb", "wandb-id", "plots"}
+
+
+def trained_steps(out):
+    """The trainer steps a run folder's metrics.jsonl records (evaluation rows do not count)."""
+    path = Path(out) / "metrics.jsonl"
+    rows = path.read_text().splitlines() if path.is_file() else []
+    return sum('"loss"' in row for row in rows)
+
+
+def is_run(out):
+    """A folder this project wrote a run into: its config.json is a run record."""
+    try:
+        return isinstance(json.loads((Path(out) / "config.json").read_text()).get("config"), dict)
+    except (OSError, ValueError, AttributeError):
+        return (Path(out) / "metrics.jsonl").is_file()
+
+
+def failed_start(out):
+    """A run folder that holds no trained step and no checkpoint: a start that failed, which
+    the next start with the same --out replaces."""
+    out = Path(out)
+    return (is_run(out) and {p.name for p in out.iterdir()} <= RUN_FILES
+            and checkpoint.latest(out) is None and not (out / "final").exists()
+            and trained_steps(out) == 0)
+
+
 def check_out_folder(cfg, try_writing=True):
-    """The run folder can be written, and a new run never writes into another run's folder."""
+    """The run folder can be written, and a new run writes only into a folder that is absent,
+    empty, or a start of its own that failed: never into another run, nor among files that
+    this project did not write (it would replace its final/ and checkpoints/ there)."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: pass a folder")
-    if not cfg.resume and ((out / "config.json").exists() or (out / "metrics.jsonl").exists()):
-        raise ValueError(f"{out} already holds a run: continue it with --resume {out}, or pass "
-                         "another --out")
+    if not cfg.resume and out.is_dir() and any(out.iterdir()) and not failed_start(out):
+        raise ValueError(occupied(out))
     parent = out
     while not parent.exists():               # the folder that the run's folder will go into
         parent = parent.parent
@@ -52,6 +85,39 @@ def check_out_folder(cfg, try_writing=True):
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror}): pass a "
                          "writable folder") from None
+
+
+def occupied(out):
+    """Why a new run cannot go into the non-empty folder `out`, and what to do instead."""
+    if not is_run(out):
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"--out {out} is a folder that tba did not write (it holds {shown}): pass a new "
+                "or empty folder, such as runs/<name>")
+    latest = checkpoint.latest(out)
+    if latest is not None:
+        return (f"{out} already holds a run, checkpointed at {latest.name}: continue it with "
+                f"--resume {out}, or pass another --out")
+    if (out / "final").exists():
+        return (f"{out} already holds a finished run (its model is in {out / 'final'}): pass "
+                "another --out")
+    steps = trained_steps(out)
+    if steps:
+        return (f"{out} holds a run that trained {steps} steps and wrote no checkpoint, so it "
+                f"cannot be resumed: pass another --out, or delete {out} to start over there")
+    strays = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
+    return (f"{out} holds a run that stopped before its first step and files that tba did not "
+            f"write ({', '.join(strays[:3])}): move those, or pass another --out")
+
+
+def make_folder(cfg):
+    """Create the run folder; a new run first removes what a failed start left there
+    (`failed_start`: only this project's files, no trained step)."""
+    out = Path(cfg.out)
+    if not cfg.resume and out.is_dir() and any(out.iterdir()) and failed_start(out):
+        for entry in out.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
 
 
 # ---------------------------------------------------------------- resuming: the state
@@ -239,6 +305,10 @@ def failure(error, step, out):
 def how_to_continue(out):
     """The rest of a failed run's error line: where its metrics are and how to go on."""
     latest = checkpoint.latest(out)
-    return (f"metrics so far are in {out}/metrics.jsonl; "
-            + (f"continue it from {latest.name} with: python tba.py --resume {out}" if latest
-               else "no checkpoint was written: start it again with another --out"))
+    if latest:
+        how = f"continue it from {latest.name} with: python tba.py --resume {out}"
+    elif failed_start(out):
+        how = "no step was trained: the same command with the same --out starts it again"
+    else:
+        how = f"no checkpoint was written: start it again with another --out, or delete {out}"
+    return f"metrics so far are in {out}/metrics.jsonl; {how}"

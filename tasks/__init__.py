@@ -88,6 +88,8 @@ class Task:
                     recent_frac=0.95, min_buffer=8, buffer_capacity=8000, max_reuse=4,
                     micro_groups=0, activation_checkpointing=False, save_every=50)
 
+    reads_model = True                # --model names the policy (False: the task builds its own)
+
     def __init__(self, cfg):
         self.cfg = cfg
 
@@ -98,6 +100,18 @@ class Task:
         if cls.min_eval_samples and cfg.eval_samples < cls.min_eval_samples:
             raise ValueError(f"--eval-samples {cfg.eval_samples}: {cfg.task} evaluates on "
                              f"sampled completions: use {cls.min_eval_samples} or more")
+        context, prompt = cls.context_length(cfg), getattr(cfg, "max_prompt_len", None)
+        if context and (prompt or 1) + cfg.max_new_tokens > context:
+            longest = (f"--max-prompt-len {prompt} + --max-new-tokens {cfg.max_new_tokens}"
+                       if prompt else f"the prompt + --max-new-tokens {cfg.max_new_tokens}")
+            fix = (f"lower --max-new-tokens to {context - (prompt or 1)} or less"
+                   if (prompt or 1) < context else "lower --max-prompt-len")
+            raise ValueError(f"{longest} tokens exceed the policy's context of {context}: {fix}")
+
+    @classmethod
+    def context_length(cls, cfg):
+        """The policy's context in tokens, from its config (None: not known before it loads)."""
+        return models.context_length(cfg.model or models.DEFAULT_MODEL)
 
     def load_model(self, device):
         """The policy's starting point, which is also the frozen reference."""
@@ -185,11 +199,24 @@ def task_class(name):
     if spec is None:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}, "
                          "or name your own as module:Class")
-    module, cls = spec.split(":")
+    module, _, cls = spec.partition(":")
+    if not module or not cls.isidentifier():
+        raise ValueError(f"--task {name}: name your own task as module:Class, e.g. "
+                         "mytasks:Sorting (a module on PYTHONPATH and a Task subclass in it)")
     try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load task {name!r} ({e}): check the module:Class name") from e
+        found = getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ValueError(f"--task {name}: cannot import {module} ({e}): run from the folder "
+                         "that holds it, or add that folder to PYTHONPATH") from None
+    except AttributeError:
+        raise ValueError(f"--task {name}: {module} has no {cls}: check the class name") from None
+    except Exception as e:               # the module itself fails: a syntax error, a raise, ...
+        raise ValueError(f"--task {name}: importing {module} failed ({type(e).__name__}: "
+                         f"{e}): fix the module") from None
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise ValueError(f"--task {name}: {module}.{cls} is not a Task subclass: subclass "
+                         "tasks.Task (see tasks/toy.py)")
+    return found
 
 
 def make_task(cfg):

@@ -27,6 +27,7 @@ MODES = {
     "d": ["d c b a", "a a d d", "b b b b"],
 }
 MAX_NEW_TOKENS = 5
+POSITIONS = 16                    # the model's context: the prompt and the completion
 MODEL_SEED = 1234                         # fixed, so every run (and process) has the same p_ref
 
 
@@ -45,7 +46,7 @@ def build_model(vocab_size):
     averages the same vectors, so a mode like "a b c d" after the prompt "a" is unlearnable."""
     # No pad_token_id here: `generate` gets the tokenizer's, and with one in the config
     # transformers warns of padding whenever a sampled EOS (= pad) is fed back.
-    config = GPT2Config(vocab_size=vocab_size, n_positions=16, n_embd=64, n_layer=2, n_head=4,
+    config = GPT2Config(vocab_size=vocab_size, n_positions=POSITIONS, n_embd=64, n_layer=2, n_head=4,
                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0,
                         initializer_range=0.005)   # small: p_ref near uniform, modes balanced
@@ -98,6 +99,7 @@ def exact_logprobs(model, tokenizer, prompt, completions, temperature):
 class ToyTask(Task):
     name = "toy"
     eval_needs_reference = True       # the exact target p* is built from p_ref
+    reads_model = False               # its model is built in code, the same in every process
     # β starts high, where p* is close to p_ref and every mode is easy to reach, and is annealed
     # to its final value: at a fixed small β on-policy TB tends to lock onto some modes and lose
     # the others (its on-policy gradient is that of the mode-seeking KL(p_θ || p*)).
@@ -105,6 +107,10 @@ class ToyTask(Task):
                     max_new_tokens=MAX_NEW_TOKENS, beta=0.5, beta_final=0.07, beta_steps=1000,
                     lr=5e-4, warmup_steps=10, decay_steps=300, eval_every=100, sync_every=2,
                     recent_frac=0.95, min_buffer=4, buffer_capacity=12800, save_every=500)
+
+    @classmethod
+    def context_length(cls, cfg):
+        return POSITIONS
 
     def load_model(self, device):
         tokenizer = build_tokenizer()

@@ -52,7 +52,8 @@ def toy_model_and_data(tmp_path_factory):
     return root
 
 
-GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
+GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0",     # the toy's model:
+         "--max-prompt-len", "8", "--max-new-tokens", "4"]                   # 16 positions
 
 
 @pytest.mark.parametrize("args, message", [
@@ -71,11 +72,11 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0"]
     (["--group-size", "1"], "--group-size must be at least 2"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "0"], "--temperature must be greater than 0 (got 0.0)"),
-    (["--beta", "-0.1"], "--beta must be greater than 0 (got -0.1)"),     # would train away
-    (["--beta", "0"], "--beta must be greater than 0"),                    # r/β: NaN
-    (["--beta", "nan"], "--beta must be greater than 0 (got nan)"),
-    (["--beta-final", "0"], "--beta-final must be greater than 0"),
-    (["--lr", "inf"], "--lr must be greater than 0 (got inf)"),
+    (["--beta", "-0.1"], "--beta must be at least 0.0001 and finite (got -0.1)"),     # would train away
+    (["--beta", "0"], "--beta must be at least 0.0001"),                    # r/β: NaN
+    (["--beta", "nan"], "--beta must be at least 0.0001 and finite (got nan)"),
+    (["--beta-final", "0"], "--beta-final must be at least 0.0001"),
+    (["--lr", "inf"], "--lr must be greater than 0 and at most 1 (got inf)"),
     (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0"),    # gradient ascent
     (["--micro-groups", "-1"], "--micro-groups must be at least 0"),
     (["--micro-completions", "-1"], "--micro-completions must be at least 0"),
@@ -222,7 +223,8 @@ def async_run(tmp_path_factory):
     ("sync", None, ["--resume", "RUN", "--steps", "0"], "--steps must be at least 1"),
     ("sync", None, ["--resume", "RUN", "--steps", "4", "--device", "cuda"], "no CUDA GPU"),
     ("sync", broken_checkpoint, ["--resume", "RUN", "--steps", "4"], "step_2 is unreadable"),
-    ("sync", None, [*TOY, "--out", "RUN"], "already holds a run: continue it with --resume"),
+    ("sync", None, [*TOY, "--out", "RUN"],
+     "already holds a run, checkpointed at step_2: continue it with --resume"),
     ("rloo", None, ["--resume", "RUN", "--steps", "4", "--searchers", "1"], "--loss rloo is on-policy"),
     ("async", spoil_buffer("response_len", 99), ["--resume", "RUN", "--steps", "4"],
      "buffer.pt is invalid (buffer state_dict holds response lengths outside [1, 5]: [99]"),
@@ -253,7 +255,7 @@ def test_errors_have_no_traceback():
     done = subprocess.run([sys.executable, "tba.py", "--task", "toy", "--beta", "-0.1"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.strip() == "error: --beta must be greater than 0 (got -0.1)"
+    assert done.stderr.strip() == "error: --beta must be at least 0.0001 and finite (got -0.1)"
 
 
 def test_non_finite_step_is_never_applied(tiny_model_dir):

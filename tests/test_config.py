@@ -62,7 +62,7 @@ BAD_RECIPES = [
     ("float for an integer", "steps = 10.5\n", "steps = 10.5 must be an integer"),
     ("bool for an integer", "group-size = true\n", "group-size = True must be an integer"),
     ("string for a bool", "quiet = 'yes'\n", "quiet = 'yes' must be true or false"),
-    ("out of range", "beta = -0.1\n", "beta = -0.1 must be greater than 0"),
+    ("out of range", "beta = -0.1\n", "beta = -0.1 must be at least 0.0001"),
     ("not a choice", "loss = 'ppo'\n", "loss = 'ppo' must be one of tb, rloo"),
     ("NaN", "lr = nan\n", "lr = nan must be greater than 0"),
     ("invalid TOML", "steps = = 3\n", "is not valid TOML"),

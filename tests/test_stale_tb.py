@@ -59,6 +59,17 @@ def test_tb_topr_by_hand():
     assert log_z.item() == pytest.approx(-delta.mean().item())
 
 
+def test_tb_is_by_hand():
+    """Every squared residual weighted by min(1, π/μ), whichever way the step moves it."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0, -6.0]])
+    ref, reward, beta = torch.zeros(1, 4), torch.tensor([[0.0, 0.0, 1.0, 1.0]]), 1.0
+    rho = torch.tensor([[-1.0, 0.5, -3.0, -2.0]])
+    residual = torch.tensor([[2.5, 1.5, -0.5, -3.5]])                  # as in tb-topr's test
+    weight = torch.tensor([[math.exp(-1.0), 1.0, math.exp(-3.0), math.exp(-2.0)]])
+    loss, _ = stale_tb.tb_is_loss(logp, ref, reward, beta, rho)
+    assert loss.item() == pytest.approx((weight * residual ** 2).mean().item())
+
+
 def test_tb_trust_gradient_is_tb_with_the_ratio_in_the_residual():
     """∂/∂log π_i of the mean squared residual: 2·(1+λ)·residual_i / K for a stale completion,
     2·residual_i / K for a fresh one (ρ = 0 and no gradient), log Ẑ held."""
@@ -97,7 +108,7 @@ def one_step(model, batch, loss, version):
     return torch.cat([p.detach().flatten() for p in policy.parameters()]), stats
 
 
-@pytest.mark.parametrize("loss", ["tb-trust", "tb-trust:4", "tb-topr", "tb-ess"])
+@pytest.mark.parametrize("loss", ["tb-trust", "tb-trust:4", "tb-topr", "tb-is", "tb-ess"])
 def test_at_lag_zero_each_correction_takes_exactly_tbs_step(loss):
     """Groups sampled by the weights being trained (their version is the step's): the same
     weights after the step as TB's, bit for bit. Sampled by older weights: a different step."""

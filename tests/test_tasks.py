@@ -187,5 +187,5 @@ def test_tasks_by_name_or_module_path():
     assert tasks.task_class("toy") is tasks.task_class("tasks.toy:ToyTask") is ToyTask
     with pytest.raises(ValueError, match="unknown task 'chess'"):
         tasks.task_class("chess")
-    with pytest.raises(ValueError, match="cannot load task 'tasks.toy:Chess'"):
+    with pytest.raises(ValueError, match="tasks.toy has no Chess: check the class name"):
         tasks.task_class("tasks.toy:Chess")
