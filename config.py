@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import tomllib
 from dataclasses import dataclass
@@ -348,6 +349,11 @@ def parse_args(argv=None):
 
     actions: {"config": the recipe's path or None, "dry_run": bool, "recipe": the recipe's
     values that the command line left in place ({} without one)}."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = [a.split("=")[0] for a in argv if a.startswith("--") and len(a) > 2]
+    twice = sorted({a for a in flags if flags.count(a) > 1})
+    if twice:                        # argparse would keep the last silently; a recipe refuses
+        raise ValueError(f"{twice[0]} is given twice: keep one")
     task = task_named_in(argv)                    # your own module:Class brings its flags
     values = vars(build_parser(own_task=task).parse_args(argv))
     given = set(vars(build_parser(with_defaults=False, own_task=task).parse_args(argv)))

@@ -25,7 +25,7 @@ from batch import GroupBatch
 from buffer import ReplayBuffer, shared_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
+TOY = ["--task", "toy", "--searchers", "0", "--eval-every", "4", "--quiet"]   # + --steps
 
 
 def one_error_line(capsys, message):
@@ -223,7 +223,7 @@ def async_run(tmp_path_factory):
     ("sync", None, ["--resume", "RUN", "--steps", "0"], "--steps must be at least 1"),
     ("sync", None, ["--resume", "RUN", "--steps", "4", "--device", "cuda"], "no CUDA GPU"),
     ("sync", broken_checkpoint, ["--resume", "RUN", "--steps", "4"], "step_2 is unreadable"),
-    ("sync", None, [*TOY, "--out", "RUN"],
+    ("sync", None, [*TOY, "--steps", "8", "--out", "RUN"],
      "already holds a run, checkpointed at step_2: continue it with --resume"),
     ("rloo", None, ["--resume", "RUN", "--steps", "4", "--searchers", "1"], "--loss rloo is on-policy"),
     ("async", spoil_buffer("response_len", 99), ["--resume", "RUN", "--steps", "4"],
@@ -287,7 +287,7 @@ def fail_at_call(monkeypatch, n, make_loss):
 def test_nan_loss_stops_the_run_at_that_step(tmp_path, monkeypatch, capsys):
     fail_at_call(monkeypatch, 3, lambda loss, log_z: (loss * math.nan, log_z))
     run = tmp_path / "run"
-    assert tba.main([*TOY, "--save-every", "2", "--out", str(run)]) == 1
+    assert tba.main([*TOY, "--steps", "8", "--save-every", "2", "--out", str(run)]) == 1
     err = capsys.readouterr().err
     assert "error: after step 2: the loss is nan and the gradient norm nan; the update was not " \
            "applied" in err
@@ -305,7 +305,8 @@ def test_exception_mid_run_stops_searchers_and_says_how_to_continue(searchers, t
         raise RuntimeError("boom")
     fail_at_call(monkeypatch, 3, boom)
     run = tmp_path / "run"
-    assert tba.main([*TOY, "--searchers", searchers, "--save-every", "2", "--out", str(run)]) == 1
+    assert tba.main([*TOY, "--steps", "8", "--searchers", searchers, "--save-every", "2",
+                     "--out", str(run)]) == 1
     err = capsys.readouterr().err
     assert f"error: after step 2: RuntimeError: boom (the traceback is in {run / 'error.log'})" in err
     assert f"continue it from step_2 with: python tba.py --resume {run}" in err

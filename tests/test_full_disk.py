@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from plumbing import checkpoint
 import tba
 
-TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
+TOY = ["--task", "toy", "--searchers", "0", "--eval-every", "4", "--quiet"]   # + --steps
 FULL = "(No space left on device)"
 
 
@@ -94,11 +94,12 @@ def test_lag_weights_on_a_full_disk_leave_no_temporary_file(disk, capsys):
     """--lag writes the weights of every version (~0.4 MB on the toy) into RUN/lag/."""
     run_dir = disk / "run"
     fill(disk, leave=200_000)                 # room for config.json and metrics, not the weights
-    assert tba.main([*TOY, "--lag", "2", "--out", str(run_dir)]) == 1
+    assert tba.main([*TOY, "--steps", "8", "--lag", "2", "--out", str(run_dir)]) == 1
     err = error_lines(capsys)
     assert len(err) == 1 and err[0].startswith(
         f"error: after step 0: cannot write {run_dir / 'lag' / 'version_0.pt'} {FULL}"), err
-    assert err[0].endswith("no checkpoint was written: start it again with another --out")
+    assert err[0].endswith("no step was trained: the same command with the same --out starts it "
+                           "again")
     assert leftovers(run_dir) == [] and list((run_dir / "lag").iterdir()) == []
 
 

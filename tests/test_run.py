@@ -16,7 +16,7 @@ import tasks
 import tba
 import trainer
 
-TOY = ["--task", "toy", "--searchers", "0", "--steps", "8", "--eval-every", "4", "--quiet"]
+TOY = ["--task", "toy", "--searchers", "0", "--eval-every", "4", "--quiet"]   # + --steps
 # Wall-clock measurements: the only metrics that may differ between two identical runs.
 TIMING = {"time", "gen_tokens_per_s", "samples_per_s", "trainer_wait_s", "sync_s", "search_s",
           "train_s"}
@@ -41,7 +41,8 @@ def stop_after(monkeypatch, n_steps):
 
 def test_run_folder_holds_everything(tmp_path):
     run = tmp_path / "run"
-    assert tba.main([*TOY, "--save-every", "2", "--keep-checkpoints", "2", "--out", str(run)]) == 0
+    assert tba.main([*TOY, "--steps", "8", "--save-every", "2", "--keep-checkpoints", "2",
+                     "--out", str(run)]) == 0
     record = json.loads((run / "config.json").read_text())
     assert record["config"]["steps"] == 8 and record["config"]["lr"] == 5e-4   # resolved values
     assert record["versions"]["torch"] == torch.__version__
@@ -60,7 +61,7 @@ def test_run_folder_holds_everything(tmp_path):
 def test_save_every_0_writes_the_final_model_and_no_checkpoint(tmp_path):
     """A benchmark's runs leave their trained model and metrics, not 2 GB of optimiser state each."""
     run_dir = tmp_path / "run"
-    assert tba.main([*TOY, "--save-every", "0", "--out", str(run_dir)]) == 0
+    assert tba.main([*TOY, "--steps", "8", "--save-every", "0", "--out", str(run_dir)]) == 0
     assert checkpoint.latest(run_dir) is None
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 9))
@@ -84,7 +85,7 @@ def test_resume_gives_the_same_run(device, extra, tmp_path, monkeypatch):
     the random state that draws each group's temperature and sampler; with replay, the buffer
     and the random state of its draws."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    args = [*TOY, "--device", device, *extra]
+    args = [*TOY, "--steps", "8", "--device", device, *extra]
     assert tba.main([*args, "--out", str(straight)]) == 0
     with monkeypatch.context() as patch:
         stop_after(patch, 4)
@@ -137,8 +138,8 @@ def test_checkpoints_load_tensors_only(tmp_path):
 
 def test_plot_writes_pngs(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert tba.main([*TOY, "--out", str(a)]) == 0
-    assert tba.main([*TOY, "--out", str(b), "--loss", "rloo"]) == 0
+    assert tba.main([*TOY, "--steps", "8", "--out", str(a)]) == 0
+    assert tba.main([*TOY, "--steps", "8", "--out", str(b), "--loss", "rloo"]) == 0
     assert tba.main(["plot", str(a), str(b), "--out", str(tmp_path / "plots")]) == 0
     for name in ("curves_by_step.png", "curves_by_time.png"):
         png = (tmp_path / "plots" / name).read_bytes()

@@ -131,6 +131,8 @@ CASES = [
      "--log-z-lr acts on a learned log Z, and --log-z is group: add --log-z learned"),
     ("--lora-alpha without --lora-rank", None, ["--task", "arith", "--lora-alpha", "8"], 2,
      "--lora-alpha acts on a LoRA adapter, and --lora-rank is 0: add --lora-rank R"),
+    ("a flag given twice", None, ["--task", "toy", "--steps", "3", "--steps=4"], 2,
+     "--steps is given twice: keep one"),
     # values that cannot train
     ("a learning rate of 5", None, ["--task", "toy", "--lr", "5"], 2,
      "--lr must be greater than 0 and at most 1 (got 5.0)"),
