@@ -46,8 +46,8 @@ def build_model(vocab_size):
     averages the same vectors, so a mode like "a b c d" after the prompt "a" is unlearnable."""
     # No pad_token_id here: `generate` gets the tokenizer's, and with one in the config
     # transformers warns of padding whenever a sampled EOS (= pad) is fed back.
-    config = GPT2Config(vocab_size=vocab_size, n_positions=POSITIONS, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+    config = GPT2Config(vocab_size=vocab_size, n_positions=POSITIONS, n_embd=64, n_layer=2,
+                        n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0,
                         initializer_range=0.005)   # small: p_ref near uniform, modes balanced
     with torch.random.fork_rng():

@@ -72,7 +72,7 @@ GSM8K = ["--task", "gsm8k", "--model", "INPUTS/model", "--searchers", "0",     #
     (["--group-size", "1"], "--group-size must be at least 2"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "0"], "--temperature must be greater than 0 (got 0.0)"),
-    (["--beta", "-0.1"], "--beta must be at least 0.0001 and finite (got -0.1)"),     # would train away
+    (["--beta", "-0.1"], "--beta must be at least 0.0001 and finite (got -0.1)"),   # trains away
     (["--beta", "0"], "--beta must be at least 0.0001"),                    # r/β: NaN
     (["--beta", "nan"], "--beta must be at least 0.0001 and finite (got nan)"),
     (["--beta-final", "0"], "--beta-final must be at least 0.0001"),
@@ -305,8 +305,8 @@ def test_exception_mid_run_stops_searchers_and_says_how_to_continue(searchers, t
         raise RuntimeError("boom")
     fail_at_call(monkeypatch, 3, boom)
     run = tmp_path / "run"
-    assert tba.main([*TOY, "--steps", "8", "--searchers", searchers, "--save-every", "2",
-                     "--out", str(run)]) == 1
+    assert tba.main(["--task", "toy", "--searchers", searchers, "--eval-every", "4", "--quiet",
+                     "--steps", "8", "--save-every", "2", "--out", str(run)]) == 1
     err = capsys.readouterr().err
     assert f"error: after step 2: RuntimeError: boom (the traceback is in {run / 'error.log'})" in err
     assert f"continue it from step_2 with: python tba.py --resume {run}" in err

@@ -197,7 +197,8 @@ def test_a_recipe_copied_with_steps_3_resolves_as_the_command_line_does(recipe, 
         cfg, _, actions = config.parse_args([*argv, "--out", str(tmp_path / "run")])
         return config.resolve(cfg, recipe=actions["recipe"], measure=False,
                               recipe_steps=actions["recipe_steps"])
-    ours, theirs = resolved("--config", str(copy)), resolved("--config", str(recipe), "--steps", "3")
+    ours = resolved("--config", str(copy))
+    theirs = resolved("--config", str(recipe), "--steps", "3")
     assert ours.warmup_steps + ours.decay_steps <= 3 and ours.beta_steps <= 3
     differ = {k for k in ours.__dict__ if getattr(ours, k) != getattr(theirs, k)}
     assert differ <= set(config.SCHEDULE)
@@ -232,6 +233,7 @@ def test_the_interrupt_line_names_the_checkpoint_that_holds_the_run(tmp_path):
     out = tmp_path / "run"
     a_run_record(out)
     metrics(out, EVAL_ROW, STEP_ROW)
-    assert "no checkpoint was written: start it again with another --out" in run.how_to_continue(out)
+    assert "no checkpoint was written: start it again with another --out" in \
+        run.how_to_continue(out)
     (out / "checkpoints" / "step_1").mkdir(parents=True)
     assert f"continue it from step_1 with: python tba.py --resume {out}" in run.how_to_continue(out)
