@@ -114,7 +114,7 @@ def make_folder(cfg):
     """Create the run folder; a new run first removes what a failed start left there
     (`failed_start`: only this project's files, no trained step)."""
     out = Path(cfg.out)
-    if not cfg.resume and out.is_dir() and any(out.iterdir()) and failed_start(out):
+    if not cfg.resume and out.is_dir() and failed_start(out):
         for entry in out.iterdir():
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
