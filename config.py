@@ -91,7 +91,7 @@ class Config:
                            "tb-trust is λ 1), tb-topr (the squared residuals of completions TB "
                            "pushes down weighted by min(1, π/μ)), tb-is (every squared "
                            "residual weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
-                           "step); each is TB at lag 0",
+                           "step), tb-topr-ess (tb-topr with VCPO's step); each is TB at lag 0",
                      (lambda v: valid_loss(v),
                       "one of " + ", ".join(trainer.LOSSES) + " (tb-trust:λ with λ > 0)"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "

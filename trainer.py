@@ -88,7 +88,8 @@ LOSSES = {"tb": Loss(tb_loss), "rloo": Loss(rloo_loss),
           "tb-trust": Loss(stale_tb.tb_trust_loss, log_ratio=True),
           "tb-topr": Loss(stale_tb.tb_topr_loss, log_ratio=True),
           "tb-is": Loss(stale_tb.tb_is_loss, log_ratio=True),
-          "tb-ess": Loss(tb_loss, ess_step=True)}
+          "tb-ess": Loss(tb_loss, ess_step=True),
+          "tb-topr-ess": Loss(stale_tb.tb_topr_loss, log_ratio=True, ess_step=True)}
 
 
 def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", is_clip=2.0,

@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 TASKS = {
     "arith": dict(flags=["--eval-n", "0"],                 # all 200 test problems
-                  losses=("tb", "tb-trust", "tb-topr", "tb-is", "tb-ess", "rloo-is", "vcpo"),
+                  losses=("tb", "tb-trust", "tb-topr", "tb-is", "tb-ess", "tb-topr-ess",
+                          "rloo-is", "vcpo"),
                   lags=(16, 4, 0), metric="eval/accuracy",
                   better="higher", save_every=10),    # ~70 min a run: a stopped one resumes
     "toy": dict(flags=[], losses=("tb", "rloo", "rloo-is", "vcpo"), lags=(128, 32, 0),

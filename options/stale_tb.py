@@ -25,6 +25,8 @@ from ρ_i = log π(y_i) − log μ(y_i) (`log_ratio`); `trainer.LOSSES` register
   tb-ess      TB with each step's learning rate times √(min(1, ESS/N)) of the weights π/μ, the
               step of VCPO (arXiv 2602.17616; `rloo.ess_step_scale`): the control that tells a
               loss's effect from a smaller step.
+  tb-topr-ess tb-topr with tb-ess's step: stale negatives tapered, positives' pull kept, and
+              the step slowed as π leaves the sampler (what VCPO does to RLOO, on TB).
 
 At lag 0 each is exactly TB: ρ is taken as 0 for completions sampled by the very weights being
 trained (the version of their group is the step's), where log π and log μ differ by rounding
