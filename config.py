@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 import tasks
-import trainer
 from devices import placement
 from llm import models
 from plumbing import checkpoint, loggers
-from options import stale_tb
+from options import losses
 from plumbing.flags import (BETA, LEARNING_RATE, POSITIVE, TASK_DEFAULT, at_least, flag,
                             one_of, within)
 
@@ -44,9 +43,9 @@ RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_sa
 
 
 def valid_loss(value):
-    """--loss: a name of trainer.LOSSES, tb-trust with an optional :λ."""
+    """--loss: a name of options/losses.py's LOSSES, tb-trust with an optional :λ."""
     try:
-        return stale_tb.parse(value)[0] in trainer.LOSSES
+        return losses.parse(value)[0] in losses.LOSSES
     except ValueError:
         return False
 
@@ -93,7 +92,7 @@ class Config:
                            "residual weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
                            "step), tb-topr-ess (tb-topr with VCPO's step); each is TB at lag 0",
                      (lambda v: valid_loss(v),
-                      "one of " + ", ".join(trainer.LOSSES) + " (tb-trust:λ with λ > 0)"))
+                      "one of " + ", ".join(losses.LOSSES) + " (tb-trust:λ with λ > 0)"))
     rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
                                         "or explorative groups, although it is an on-policy loss")
     is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "

@@ -9,11 +9,12 @@ import multiprocessing
 import os
 import signal
 import traceback
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.utils import logging as transformers_logging
 
-from options import exploration, lora
 from llm import models
 from devices import placement
 from llm import sampling
@@ -24,34 +25,45 @@ from devices.sync_check import receive_weights
 from plumbing.errors import NonFiniteError, diverged_policy_named
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """Where options change a searcher, wired in where the run is assembled
+    (`engines.sources.make_source`); None: the plain path.
+    sample: generates the groups instead of `sampling.generate` at the trainer's temperature,
+            (policy, ref_model, tokenizer, prompt ids, *, temperature, num_samples,
+            max_new_tokens, stop_event) -> (`generate`'s five outputs, each group's temperature
+            [B], whether the reference sampled it [B]) (options/exploration.py)
+    adapt:  policy -> policy, before its first weights arrive (options/lora.py)"""
+    sample: Callable | None = None
+    adapt: Callable | None = None
+
+
 @torch.no_grad()
 def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_new_tokens,
                   temperature, version=0, stop_event=None, dtype=torch.float32, reference_pass=0,
-                  search_temperature=None, reference_frac=0.0, explore_frac=1.0):
+                  sample=None):
     """Generate, score and reference-score one batch of groups.  -> (GroupBatch, completions)
 
     The batch carries log μ(y|x) of the distribution that sampled it, for the off-policy metrics
-    however old the group is when trained on. With exploration (options/exploration.py) a group
+    however old the group is when trained on. With `sample` (`SearchOptions.sample`) a group
     may be sampled at a temperature of its own, or by the reference; its rewards and reference
     log-probs (scored at the trainer's `temperature`, `reference_pass` completions a pass, 0:
     all) do not depend on how it was sampled. Everything runs under the trainer's autocast
     `dtype`.
     """
     device = next(policy.parameters()).device
-    temperatures, from_reference = exploration.temperatures_and_samplers(
-        len(prompts), temperature, search_temperature, reference_frac, explore_frac)  # [B], [B]
     ids = [p.ids for p in prompts]
     with models.autocast(device, dtype), diverged_policy_named(version):
-        if from_reference.any():          # --reference-frac: the reference samples some groups
-            generated = exploration.generate_with_reference(
-                policy, ref_model, tokenizer, ids, from_reference,
-                temperature=temperatures if search_temperature else temperature,
-                num_samples=group_size, max_new_tokens=max_new_tokens, stop_event=stop_event)
-        else:
+        if sample is None:                # every group by the policy at the trainer's temperature
+            temperatures = torch.full((len(prompts),), float(temperature))           # [B]
+            from_reference = torch.zeros(len(prompts), dtype=torch.bool)            # [B]
             generated = sampling.generate(
                 policy, tokenizer, ids, num_samples=group_size, max_new_tokens=max_new_tokens,
-                temperature=temperatures if search_temperature else temperature,
-                stop_event=stop_event, with_logprobs=True)
+                temperature=temperature, stop_event=stop_event, with_logprobs=True)
+        else:
+            generated, temperatures, from_reference = sample(
+                policy, ref_model, tokenizer, ids, temperature=temperature,
+                num_samples=group_size, max_new_tokens=max_new_tokens, stop_event=stop_event)
     prompt_ids, prompt_mask, response_ids, response_len, behaviour_logp = generated
     completions = sampling.decode(tokenizer, response_ids, response_len)       # B·K strings
     repeated = [p for p in prompts for _ in range(group_size)]
@@ -109,13 +121,15 @@ class Searcher:
     a Ray actor drives it. The policy gets the trainer's first weights (version 0, or a
     checkpoint's on resume) before `start`, which is given that version."""
 
-    def __init__(self, rank, cfg, device, threads):
+    def __init__(self, rank, cfg, device, threads, options=SearchOptions()):
         self.placed = str(device)         # as placement gave it (cuda:1); `device`: its tensors'
         device = placement.set_up_process(device, threads)
         self.rank, self.cfg = rank, cfg
         self.task = tasks.make_task(cfg)
         self.policy, self.tokenizer = self.task.load_model(device)
-        lora.add_adapter(self.policy, cfg.lora_rank, cfg.lora_alpha)
+        if options.adapt:
+            options.adapt(self.policy)
+        self.sample = options.sample
         self.dtype = getattr(torch, cfg.dtype)
         self.ref_model = models.frozen_copy(self.policy, self.dtype)
         self.reference_pass = reference_pass_size(cfg)
@@ -143,10 +157,7 @@ class Searcher:
                                  max_new_tokens=self.cfg.max_new_tokens,
                                  temperature=self.cfg.temperature, version=version,
                                  stop_event=stop_event, dtype=self.dtype,
-                                 reference_pass=self.reference_pass,
-                                 search_temperature=self.cfg.search_temperature,
-                                 reference_frac=self.cfg.reference_frac,
-                                 explore_frac=self.cfg.search_temperature_frac)
+                                 reference_pass=self.reference_pass, sample=self.sample)
         batch = batch.to("cpu")
         info, batch.info = batch.info, None
         report = {"rank": self.rank, "tokens": int(batch.response_len.sum()),
@@ -154,7 +165,7 @@ class Searcher:
         return [p.ids for p in prompts], batch, report
 
 
-def run(rank, cfg, device, threads, buffer, weights, reports, stop):
+def run(rank, cfg, device, threads, buffer, weights, reports, stop, options=SearchOptions()):
     """One searcher process: load, then search with the newest weights until told to stop; each
     batch goes to the shared buffer, its report (or a traceback) to the trainer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the trainer's to handle: it stops us
@@ -162,7 +173,7 @@ def run(rank, cfg, device, threads, buffer, weights, reports, stop):
     placement.die_with_parent()
     parent = multiprocessing.parent_process().pid   # the trainer, even if it is already gone
     try:
-        searcher = Searcher(rank, cfg, device, threads)
+        searcher = Searcher(rank, cfg, device, threads, options)
         version = receive_weights(searcher, weights, -1, reports, block=True)
         searcher.start(version)
         while not stop.is_set() and os.getppid() == parent:   # never outlive the trainer

@@ -3,96 +3,27 @@
     python tba.py --task toy --searchers 0        # the synchronous baseline on the exact toy task
     python tba.py --help                          # every setting
 
-This file is the algorithm, top to bottom: the settings (`config.py`), then `load` the task, the
-policy and its frozen reference, the optimiser and the source of groups, then `train`: draw B
-groups of K scored completions, take a trajectory-balance step (`trainer.tb_loss`), ship the
-weights to the searchers every k steps, repeat; the trained model ends in runs/<name>/final.
+This file is the loop: the settings (`config.py`), the run's parts (`assembly/load.py`: the
+task, the policy and its frozen reference, the optimiser, the source of groups, the loss), then
+`train`: draw B groups of K scored completions, take a trajectory-balance step
+(`trainer.tb_loss`), ship the weights to the searchers every k steps, repeat; the trained model
+ends in runs/<name>/final.
 Where the groups come from (this process, searcher processes, Ray actors) is the business of
 `engines/sources.py`; the run folder, resuming, stopping and failures are `plumbing/run.py`'s.
 """
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers.utils import logging as transformers_logging
 
-from plumbing import checkpoint
+from assembly import load
 import config
-from options import learned_log_z, lora
-from plumbing import loggers
-from llm import logprobs
-from llm import models
 from devices import placement
-from plumbing import plot
-from plumbing import run
-from plumbing import schedules
-from engines import sources
-import tasks
+from llm import models
+from plumbing import checkpoint, loggers, plot, run, schedules
 import trainer
-
-
-@dataclass
-class Setup:
-    """What `load` prepares for `train`."""
-    layout: placement.Layout          # the trainer's device, the searchers', threads per process
-    task: tasks.Task
-    policy: torch.nn.Module
-    tokenizer: object
-    ref_model: torch.nn.Module | None  # the frozen initial policy, if the trainer needs it
-    optimizer: torch.optim.Optimizer
-    scheduler: object                 # the learning rate's warmup-stable-decay schedule
-    scaler: torch.amp.GradScaler      # loss scaling, on with --dtype float16 only
-    source: object                    # where each step's groups come from (engines/sources.py)
-    progress: run.Progress            # step, samples, tokens, ... (a checkpoint's on --resume)
-    stop: run.StopRequests            # Ctrl-C or kill: stop at the end of the step
-    log_z: learned_log_z.LearnedLogZ | None = None   # --log-z learned; None: the group estimate
-
-
-def load(cfg):
-    """Load the task, the policy and its frozen reference, the optimiser, the group source and,
-    on --resume, the newest checkpoint: everything that can fail on bad input fails here, before
-    anything is written."""
-    layout = placement.plan_layout(cfg)
-    device = placement.set_up_process(layout.device, layout.threads)   # where tensors go
-    transformers_logging.disable_progress_bar()     # loading and saving bars: noise beside ours
-    torch.manual_seed(cfg.seed)
-    task = tasks.make_task(cfg)
-    task.check_data()                     # a missing data file is found before a model loads
-    policy, tokenizer = task.load_model(device)
-    lora.add_adapter(policy, cfg.lora_rank, cfg.lora_alpha)     # --lora-rank: options/lora.py
-    logprobs.check_logprobs(policy)
-    if cfg.activation_checkpointing:
-        logprobs.enable_activation_checkpointing(policy)
-    # Searchers score the reference log-probs themselves: then the trainer needs a reference
-    # copy only if the task's evaluation does.
-    ref_model = (models.frozen_copy(policy, getattr(torch, cfg.dtype))
-                 if not cfg.searchers or task.eval_needs_reference else None)
-    prompts = task.prompts("train", tokenizer)
-    task.prompts("test", tokenizer)       # read now: a bad test file must not end the run later
-    log_z = (learned_log_z.LearnedLogZ(max(p.index for p in prompts) + 1, cfg.log_z_lr).to(device)
-             if cfg.log_z == "learned" else None)
-    optimizer, scheduler = schedules.make_optimizer(policy, lr=cfg.lr, total_steps=cfg.steps,
-                                                    warmup_steps=cfg.warmup_steps,
-                                                    decay_steps=cfg.decay_steps,
-                                                    weight_decay=cfg.weight_decay,
-                                                    lr_final=cfg.lr_final)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
-    stop = run.StopRequests()
-    source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
-                                 tokenizer=tokenizer, prompts=prompts, layout=layout,
-                                 interrupt=stop.check)
-    progress = run.Progress()
-    if cfg.resume:
-        progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
-                               scheduler=scheduler, scaler=scaler, task=task, source=source,
-                               log_z=log_z)
-    source.connect(quiet=cfg.quiet)       # last (a Ray cluster): nothing after it can fail
-    return Setup(layout=layout, task=task, policy=policy, tokenizer=tokenizer,
-                 ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                 source=source, progress=progress, stop=stop, log_z=log_z)
 
 
 def train(cfg, setup):
@@ -144,8 +75,8 @@ def train(cfg, setup):
             lr = setup.scheduler.get_last_lr()[0]
             t0 = time.time()
             stats = trainer.train_step(
-                policy, setup.optimizer, setup.scheduler, batch, beta=beta, loss=cfg.loss,
-                is_clip=cfg.is_clip, temperature=cfg.temperature, micro_groups=cfg.micro_groups,
+                policy, setup.optimizer, setup.scheduler, batch, beta=beta, loss=setup.loss,
+                temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                 max_grad_norm=cfg.max_grad_norm, micro_completions=cfg.micro_completions,
                 dtype=dtype, scaler=setup.scaler, reward_temp=reward_temp,
                 learned_log_z=setup.log_z, version=version)
@@ -227,7 +158,7 @@ def main(argv=None):
         print(placement.describe(placement.plan_layout(cfg)), flush=True)
         if actions["dry_run"]:
             return 0
-        setup = load(cfg)
+        setup = load.load(cfg)
     except (ValueError, models.ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 Everything here works on *groups*: B prompts with K completions each, so every per-trajectory
 tensor is shaped [B, K]. The batch layout is `batch.GroupBatch`, whether it comes straight from
 the synchronous loop or from the replay buffer. Seams: the log-probs of a step come from
-`logprobs.group_logprobs` (the fast path, equal to `sequence_logprobs`); `--loss` other than tb
-is `options/rloo.py`'s.
+`logprobs.group_logprobs` (the fast path, equal to `sequence_logprobs`); a `--loss` other than tb
+is a `Loss` that options/losses.py builds.
 """
 import math
 from dataclasses import dataclass
@@ -17,8 +17,7 @@ from batch import GroupBatch
 from devices.memory import groups_per_pass
 from plumbing.errors import NonFiniteError
 from llm.logprobs import group_logprobs
-from options import stale_tb
-from options.rloo import ess_step_scale, off_policy_stats, rloo_loss, truncated_is_weights
+from plumbing import staleness
 
 
 def sequence_logprobs(model, batch: GroupBatch, temperature=1.0):
@@ -66,34 +65,26 @@ def tb_loss(logp, ref_logp, reward, beta, keep=None, log_z=None):
     return loss, log_z.detach()
 
 
-# logged where known: stale_tb.diagnostics and the gradient sketch
+# logged where known: staleness.diagnostics and the gradient sketch
 DIAGNOSTICS = ("log_ratio_rewarded", "log_ratio_unrewarded", "low_ratio_share", "grad_cos_prev")
 
 
 @dataclass(frozen=True)
 class Loss:
-    """A --loss: its function, (logp, ref_logp, reward, beta, **inputs) -> loss or (loss, log_z),
-    and what else it is given: `is_weight` (min(π/μ, C), options/rloo.py), `log_ratio`
-    (ρ = log π − log μ, 0 for fresh completions, options/stale_tb.py); `ess_step`: the step's
-    learning rate times √(ESS/N) (VCPO)."""
+    """What a step minimises: `fn`(logp, ref_logp, reward, beta, **inputs) -> loss or
+    (loss, log_z), all [B, K] but the scalar β. Options plug in here (options/losses.py, one per
+    --loss): `inputs`(logp [n, K], batch, part, version) -> what else `fn` reads of groups
+    `part`; `ess_step`: the step's learning rate times √(ESS/N) of the weights π/μ (VCPO)."""
     fn: Callable
-    is_weight: bool = False
-    log_ratio: bool = False
+    inputs: Callable | None = None
     ess_step: bool = False
 
 
-LOSSES = {"tb": Loss(tb_loss), "rloo": Loss(rloo_loss),
-          "rloo-is": Loss(rloo_loss, is_weight=True),
-          "vcpo": Loss(rloo_loss, is_weight=True, ess_step=True),
-          "tb-trust": Loss(stale_tb.tb_trust_loss, log_ratio=True),
-          "tb-topr": Loss(stale_tb.tb_topr_loss, log_ratio=True),
-          "tb-is": Loss(stale_tb.tb_is_loss, log_ratio=True),
-          "tb-ess": Loss(tb_loss, ess_step=True),
-          "tb-topr-ess": Loss(stale_tb.tb_topr_loss, log_ratio=True, ess_step=True)}
+TB = Loss(tb_loss)             # the plain one, and the default
 
 
-def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb", is_clip=2.0,
-               temperature=1.0, micro_groups=None, max_grad_norm=None, micro_completions=0,
+def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss=None, temperature=1.0,
+               micro_groups=None, max_grad_norm=None, micro_completions=0,
                dtype=torch.float32, scaler=None, reward_temp=1.0, learned_log_z=None,
                version=None):
     """One optimiser step on B groups, accumulating gradients over micro-batches of whole groups
@@ -105,8 +96,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     update: one such step would turn every weight, and every searcher's samples, into NaN.
     tb only: `reward_temp` τ tempers the target to (p_ref·exp(r/β))^(1/τ) (log p_ref and r
     divided by τ); `learned_log_z` (learned_log_z.LearnedLogZ) replaces the group estimate of
-    log Z and takes its own step with the policy's. `version`: the updates the policy has had
-    (a group sampled by that version is fresh: options/stale_tb.py).
+    log Z and takes its own step with the policy's. `loss`: a `Loss` (None: TB). `version`: the
+    updates the policy has had (a group sampled by that version is fresh: `staleness.log_ratio`).
 
     Host work is what a small model on a GPU waits for, so the step reads the device once: the
     shapes of every pass are decided from the batch's lengths before it moves (`host_lengths`),
@@ -114,6 +105,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     once, not once a pass), and every statistic, the loss and the gradient norm come back
     together in one transfer, before the update (bench/overhead.py counts it)."""
     device = next(model.parameters()).device
+    loss = loss or TB
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     micro_groups = micro_groups or groups_per_pass(model, optimizer, batch, dtype)
     lengths = batch.host_lengths()                 # on the host already, or one transfer
@@ -127,7 +119,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         for start in range(0, b, micro_groups or b):
             part = slice(start, min(start + (micro_groups or b), b))
             part_loss, logp, log_z = backward_micro_batch(
-                model, batch, part, loss=loss, beta=beta, is_clip=is_clip, temperature=temperature,
+                model, batch, part, loss=loss, beta=beta, temperature=temperature,
                 micro_completions=micro_completions, dtype=dtype, scaler=scaler,
                 reward_temp=reward_temp, learned_log_z=learned_log_z, lengths=lengths,
                 version=version)
@@ -139,19 +131,18 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
     stats = step_stats(logp, batch, kept)                                      # 0-dim tensors
     if log_zs:                                                                 # RLOO has none
         stats["log_z"] = torch.cat(log_zs).float().mean()
-    spec = LOSSES[stale_tb.parse(loss)[0]]
     if batch.behaviour_logp is not None:
-        stats.update(off_policy_stats(logp, batch.behaviour_logp, batch.keep))
-        if spec.ess_step:   # a completion sampled by these very weights has π/μ = 1 exactly
-            rho = stale_tb.log_ratio(logp, batch.behaviour_logp, batch.version, version)
-            stats["step_ess_frac"] = off_policy_stats(rho, torch.zeros_like(rho),
-                                                      batch.keep)["ess_frac"]
-        # why stale data may hurt (options/stale_tb.py)
-        stats.update(stale_tb.diagnostics(logp, batch, kept, torch.cat(log_zs) if log_zs
+        stats.update(staleness.off_policy_stats(logp, batch.behaviour_logp, batch.keep))
+        if loss.ess_step:   # a completion sampled by these very weights has π/μ = 1 exactly
+            rho = staleness.log_ratio(logp, batch.behaviour_logp, batch.version, version)
+            stats["step_ess_frac"] = staleness.off_policy_stats(rho, torch.zeros_like(rho),
+                                                                batch.keep)["ess_frac"]
+        # why stale data may hurt
+        stats.update(staleness.diagnostics(logp, batch, kept, torch.cat(log_zs) if log_zs
                                           else None, beta))
     grad_norm = clip_gradient(model, optimizer, scaler, max_grad_norm)         # []
     if not hasattr(optimizer, "gradient_sketch"):    # the run's, checkpointed with it (run.state)
-        optimizer.gradient_sketch = stale_tb.GradientSketch(model)
+        optimizer.gradient_sketch = staleness.GradientSketch(model)
     stats["grad_cos_prev"] = optimizer.gradient_sketch.cosine()
     names = ["loss", "grad_norm", *stats]
     values = torch.stack([torch.as_tensor(total_loss, device=device, dtype=torch.float32),
@@ -166,7 +157,8 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
                              f"(mean log π/μ {off_policy['log_ratio_mean']:.4g}); the update was "
                              f"not applied")
     step_ess = host.pop("step_ess_frac", math.nan)
-    lr_scale = ess_step_scale({"ess_frac": step_ess} if off_policy else {}) if spec.ess_step else 1.0
+    lr_scale = (staleness.ess_step_scale({"ess_frac": step_ess} if off_policy else {})
+                if loss.ess_step else 1.0)
     loss_scale = (scaler.get_scale() if scaler.is_enabled() and learned_log_z is not None
                   else 1.0)                                  # read before the scaler moves it
     apply_update(optimizer, scheduler, scaler, total_loss=host["loss"],
@@ -187,7 +179,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss="tb
         "grad_norm": host["grad_norm"],
         **off_policy,
         **{k: host[k] for k in DIAGNOSTICS if not math.isnan(host.get(k, math.nan))},
-        **({"lr_scale": lr_scale} if spec.ess_step else {}),
+        **({"lr_scale": lr_scale} if loss.ess_step else {}),
         **({"grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
     }
 
@@ -212,7 +204,7 @@ def equal_reward_frac(reward, kept):
     return (highest == lowest).float().mean()
 
 
-def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature,
+def backward_micro_batch(model, batch, part, *, loss, beta, temperature,
                          micro_completions, dtype, scaler, reward_temp=1.0, learned_log_z=None,
                          lengths=None, version=None):
     """Add the gradient of groups `part`, weighted by their share of the batch, to the model's.
@@ -238,21 +230,14 @@ def backward_micro_batch(model, batch, part, *, loss, beta, is_clip, temperature
                               completions=slice(s, s + size), lengths=lengths)  # [size]
         if size < n * k:
             logp = torch.cat([held[:s], logp, held[s + size:]])                 # [n·K]
-        name, extra = stale_tb.parse(loss)         # tb-trust:λ -> its λ
-        spec = LOSSES[name]
+        extra = loss.inputs(logp.view(n, k), batch, part, version) if loss.inputs else {}
         if batch.keep is not None:
             extra["keep"] = batch.keep[part]
-        if spec.is_weight:
-            extra["is_weight"] = truncated_is_weights(
-                logp.view(n, k), batch.behaviour_logp[part], is_clip)          # [n, K]
-        if spec.log_ratio:
-            extra["log_ratio"] = stale_tb.log_ratio(
-                logp.view(n, k), batch.behaviour_logp[part], batch.version[part], version)
         if learned_log_z is not None:     # its gradient taken once, in the first pass
             log_z = learned_log_z(batch.prompt_index[part])                      # [n]
             extra["log_z"] = log_z if s == 0 else log_z.detach()
-        out = spec.fn(logp.view(n, k), batch.ref_logp[part] / reward_temp,
-                           batch.reward[part] / reward_temp, beta, **extra)
+        out = loss.fn(logp.view(n, k), batch.ref_logp[part] / reward_temp,
+                      batch.reward[part] / reward_temp, beta, **extra)
         part_loss, log_z = out if isinstance(out, tuple) else (out, None)
         if learned_log_z is not None:
             learned_log_z.first_seen(batch.prompt_index[part], log_z)

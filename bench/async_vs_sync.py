@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
 from plumbing import plot  # noqa: E402
 import tba  # noqa: E402
+from assembly import load  # noqa: E402
 
 
 def run(task, steps, searchers, out, cores=None, extra=()):
@@ -36,7 +37,7 @@ def run(task, steps, searchers, out, cores=None, extra=()):
         cfg = config.resolve(config.parse_args(
             ["--task", task, "--searchers", str(searchers), "--steps", str(steps),
              "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out), *extra])[0])
-        tba.train(cfg, tba.load(cfg))
+        tba.train(cfg, load.load(cfg))
     finally:
         os.cpu_count = real_cpu_count
     train_rows, eval_rows = plot.read_metrics(out)

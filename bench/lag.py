@@ -14,7 +14,7 @@ the table shows what staleness alone costs each loss, free of replay and of proc
   tb        trajectory balance (`trainer.tb_loss`)
   rloo      REINFORCE leave-one-out on the KL-regularised reward, no correction
   rloo-is   the same, each completion weighted by min(π/μ, 2) (`rloo.truncated_is_weights`)
-  vcpo      rloo-is with each step's learning rate times √(ESS/N) (`rloo.ess_step_scale`)
+  vcpo      rloo-is with each step's learning rate times √(ESS/N) (`staleness.ess_step_scale`)
 arith runs at the task's defaults (100 steps, lr 1e-5, β 0.05: RESULTS' staleness grid, with
 --dtype bfloat16; a grid at the earlier β 0.2 is in commit a537a91), so that a lag
 is small against the run: TB at L = 0 is then bench/compare.py's `tb-sync` run (the same

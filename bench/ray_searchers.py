@@ -22,6 +22,7 @@ import config  # noqa: E402
 from plumbing import plot  # noqa: E402
 from devices import weights  # noqa: E402
 import tba  # noqa: E402
+from assembly import load  # noqa: E402
 from searcher import Searcher  # noqa: E402
 
 WARM_UP = 20                  # steps left out of the steady rate (start-up, the first syncs)
@@ -33,7 +34,7 @@ def run(steps, searchers, out, ray):
     args = ["--task", "toy", "--searchers", str(searchers), "--steps", str(steps),
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
     cfg = config.resolve(config.parse_args(args + (["--ray", "local"] if ray else []))[0])
-    tba.train(cfg, tba.load(cfg))
+    tba.train(cfg, load.load(cfg))
     rows, _ = plot.read_metrics(out)
     steady = rows[WARM_UP:]
     loop = steady[-1]["time"] - steady[0]["time"]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # noqa: E402
 from plumbing import plot  # noqa: E402
 import tba  # noqa: E402
+from assembly import load  # noqa: E402
 from tasks.toy import ToyTask  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def measure(searchers, steps, out):
     argv = ["--task", "scaling:SimTask", "--searchers", str(searchers), "--steps", str(steps),
             "--eval-every", "0", "--save-every", "0", "--quiet", "--out", str(out)]
     cfg = config.resolve(config.parse_args(argv)[0])
-    tba.train(cfg, tba.load(cfg))
+    tba.train(cfg, load.load(cfg))
     rows, _ = plot.read_metrics(out)                          # the training rows
     rows = rows[len(rows) // 5:]                              # skip the warm-up
     first, last = rows[0], rows[-1]

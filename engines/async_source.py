@@ -85,8 +85,9 @@ class SearcherProcesses(AsyncSource):
     """--searchers N on this machine: spawned processes (processes.SearcherPool) write to the
     shared-memory buffer and read weights from shared-memory slots."""
 
-    def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0):
+    def __init__(self, cfg, buffer, layout, interrupt, shared_bytes=0, options=None):
         super().__init__(cfg, buffer, interrupt)
+        self.options = options        # searcher.SearchOptions: the options a searcher takes
         self.layout, self.weights, self.pool = layout, None, None
         self.shared_bytes = shared_bytes  # /dev/shm taken by the weight slots and the buffer
         self.loads = LoadLog(Path(cfg.out) / "weights.jsonl", getattr(torch, cfg.dtype))
@@ -101,7 +102,8 @@ class SearcherProcesses(AsyncSource):
                                      device=self.layout.device)
         self.publish(policy, version)
         self.pool = processes.SearcherPool(self.cfg, self.layout.searcher_devices,
-                                           self.layout.threads, self.buffer, self.weights)
+                                           self.layout.threads, self.buffer, self.weights,
+                                           self.options)
         self.pool.watch()                 # a searcher's death now interrupts the trainer
 
     def publish(self, policy, version):

@@ -19,13 +19,13 @@ from plumbing.errors import SearcherError
 class SearcherPool:
     """Starts N searcher processes (spawn), watches them, collects their reports, stops them."""
 
-    def __init__(self, cfg, devices, threads, buffer, weights):
+    def __init__(self, cfg, devices, threads, buffer, weights, options=searcher.SearchOptions()):
         ctx = mp.get_context("spawn")
         self.stop = ctx.Event()
         self.reports = ctx.Queue()
         self.processes = [ctx.Process(target=searcher.run, name=f"searcher-{rank}", daemon=True,
                                       args=(rank, cfg, devices[rank], threads, buffer, weights,
-                                            self.reports, self.stop))
+                                            self.reports, self.stop, options))
                           for rank in range(cfg.searchers)]
         for p in self.processes:
             p.start()

@@ -63,10 +63,10 @@ class RaySearcher:
     """A Ray actor around one `searcher.Searcher`. Calls from the trainer run one at a time in
     the order sent, so weights sent after two searches are loaded when both are done."""
 
-    def __init__(self, rank, cfg, threads):
+    def __init__(self, rank, cfg, threads, options):
         import ray
         device = "cuda:0" if ray.get_gpu_ids() else "cpu"   # Ray sets CUDA_VISIBLE_DEVICES
-        self.searcher = searcher.Searcher(rank, cfg, device, threads)
+        self.searcher = searcher.Searcher(rank, cfg, device, threads, options)
         self.version = None
 
     def set_weights(self, state, version):
@@ -92,10 +92,10 @@ class RaySearchers(AsyncSource):
 
     in_flight = 2
 
-    def __init__(self, cfg, buffer, threads, interrupt):
+    def __init__(self, cfg, buffer, threads, interrupt, options):
         import ray
         super().__init__(cfg, buffer, interrupt)
-        self.ray, self.threads = ray, threads
+        self.ray, self.threads, self.options = ray, threads, options
         self.actors, self.requests = [], {}            # request reference -> searcher rank
 
     def connect(self, quiet=False):
@@ -107,7 +107,7 @@ class RaySearchers(AsyncSource):
         # One CPU each for Ray's bookkeeping; the actor still runs `threads` torch threads.
         actor = ray.remote(RaySearcher).options(num_cpus=1, num_gpus=gpus,
                                                 scheduling_strategy="SPREAD", max_restarts=0)
-        self.actors = [actor.remote(rank, self.cfg, self.threads)
+        self.actors = [actor.remote(rank, self.cfg, self.threads, self.options)
                        for rank in range(self.cfg.searchers)]
         nodes = self.get([a.node.remote() for a in self.actors])      # once they are loaded
         tqdm.write(f"{len(self.actors)} Ray searcher(s) on {len(set(nodes))} node(s)")

@@ -32,6 +32,7 @@ import searcher
 import tasks
 from engines.async_source import SearcherProcesses
 from buffer import ReplayBuffer, shared_bytes
+from options import exploration, lora
 from options.policy_lag import Lag
 from devices.placement import check_shared_memory
 from engines.ray_source import RaySearchers
@@ -45,7 +46,7 @@ class SynchronousSource:
 
     fill_target = 0                       # nothing to wait for before the first step
 
-    def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, lag=None):
+    def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, lag=None, sample=None):
         self.cfg, self.task, self.policy, self.ref_model, self.tokenizer = (
             cfg, task, policy, ref_model, tokenizer)
         self.train_prompts = list(prompts)
@@ -53,11 +54,12 @@ class SynchronousSource:
         self.prompts_used, self.last_prompts = 0, []
         self.reference_pass = searcher.reference_pass_size(cfg)
         self.lag = lag                    # a policy_lag.Lag with --lag, else None
+        self.sample = sample              # searcher.SearchOptions.sample: exploration, or None
         self.tokens = self.groups = 0
         self.infos = []
 
-    def next_batch(self, version, n_groups=None, reference_frac=None):
-        """B (or `n_groups`) fresh groups; `reference_frac` 1: all sampled by the reference."""
+    def next_batch(self, version, n_groups=None, sample=None):
+        """B (or `n_groups`) fresh groups, sampled by `sample` if given (else the run's)."""
         t0 = time.time()
         model, sampled = ((self.policy, version) if self.lag is None
                           else self.lag.sampler(self.policy, version))
@@ -68,9 +70,7 @@ class SynchronousSource:
             model, self.ref_model, self.tokenizer, self.task, prompts,
             group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, version=sampled, dtype=getattr(torch, cfg.dtype),
-            reference_pass=self.reference_pass, search_temperature=cfg.search_temperature,
-            reference_frac=cfg.reference_frac if reference_frac is None else reference_frac,
-            explore_frac=cfg.search_temperature_frac)
+            reference_pass=self.reference_pass, sample=sample or self.sample)
         self.tokens += int(batch.response_len.sum())
         self.groups += len(prompts)
         self.last_prompts = prompts
@@ -112,9 +112,12 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     buffer sized for the longest prompt (in shared memory unless they are Ray actors);
     `interrupt` raises KeyboardInterrupt when a stop was requested, while the trainer waits for
     groups."""
+    options = searcher.SearchOptions(sample=exploration.from_config(cfg),
+                                     adapt=lora.adapter(cfg.lora_rank, cfg.lora_alpha))
     if not cfg.searchers:
         lag = Lag(cfg.lag, policy, cfg.out) if cfg.lag else None
-        source = SynchronousSource(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag)
+        source = SynchronousSource(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag,
+                                   sample=options.sample)
         if not cfg.replay_groups:
             return source
     longest = max(len(p.ids) for p in prompts)
@@ -132,5 +135,5 @@ def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, int
     if not cfg.searchers:
         return ReplayGroups(source, buffer)
     if cfg.ray:
-        return RaySearchers(cfg, buffer, layout.threads, interrupt)
-    return SearcherProcesses(cfg, buffer, layout, interrupt, shared_bytes=need)
+        return RaySearchers(cfg, buffer, layout.threads, interrupt, options)
+    return SearcherProcesses(cfg, buffer, layout, interrupt, shared_bytes=need, options=options)

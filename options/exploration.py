@@ -2,13 +2,49 @@
 
 `--search-temperature LOW HIGH` draws each group's temperature from U(LOW, HIGH) (only a share
 `--search-temperature-frac` of the groups, the others at --temperature); `--reference-frac p`
-has the reference sample a group instead of the policy with probability p (`draw`). The batch
-records both per group, and each completion's log μ is that of the distribution that
-really sampled it: TB's fixed point does not depend on who sampled (trainer.tb_loss).
+has the reference sample a group instead of the policy with probability p. `from_config` gives
+the run's `Exploration`, which `engines.sources.make_source` hands every searcher as its sampler
+(`searcher.SearchOptions.sample`). The batch records both per group, and each completion's
+log μ is that of the distribution that really sampled it: TB's fixed point does not depend on
+who sampled (trainer.tb_loss).
 """
+from dataclasses import dataclass
+
 import torch
 
 from llm import sampling
+
+
+@dataclass(frozen=True)
+class Exploration:
+    """A searcher's sampler with exploration (`searcher.SearchOptions.sample`): each group's
+    temperature and sampler drawn by `temperatures_and_samplers`, then generated."""
+    search_temperature: tuple | None = None    # (LOW, HIGH), or None: --temperature
+    reference_frac: float = 0.0                # the chance that the reference samples a group
+    explore_frac: float = 1.0                  # the share of groups at U(LOW, HIGH)
+
+    def __call__(self, policy, ref_model, tokenizer, prompt_ids, *, temperature, **kwargs):
+        """-> (`generate(with_logprobs=True)`'s five outputs, temperatures [B], from_reference
+        [B]); kwargs: `generate`'s num_samples, max_new_tokens, stop_event."""
+        temperatures, from_reference = temperatures_and_samplers(
+            len(prompt_ids), temperature, self.search_temperature, self.reference_frac,
+            self.explore_frac)                                                   # [B], [B]
+        temperature = temperatures if self.search_temperature else temperature
+        if from_reference.any():
+            generated = generate_with_reference(policy, ref_model, tokenizer, prompt_ids,
+                                                from_reference, temperature=temperature, **kwargs)
+        else:
+            generated = sampling.generate(policy, tokenizer, prompt_ids, temperature=temperature,
+                                          with_logprobs=True, **kwargs)
+        return generated, temperatures, from_reference
+
+
+def from_config(cfg):
+    """The run's Exploration, or None when it sets neither --search-temperature nor
+    --reference-frac."""
+    if not cfg.search_temperature and not cfg.reference_frac:
+        return None
+    return Exploration(cfg.search_temperature, cfg.reference_frac, cfg.search_temperature_frac)
 
 
 def temperatures_and_samplers(n_groups, temperature, search_temperature=None, reference_frac=0.0,

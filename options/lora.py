@@ -10,6 +10,12 @@ before). What changes elsewhere: the optimiser holds the adapter's parameters on
 (`devices/weights.shipped_state`), and a checkpoint's model folder holds the adapter with the
 path of its base model (transformers loads both from it).
 """
+from functools import partial
+
+
+def adapter(rank, alpha):
+    """The searchers' `SearchOptions.adapt` for --lora-rank `rank`: None when 0."""
+    return partial(add_adapter, rank=rank, alpha=alpha) if rank else None
 
 
 def add_adapter(model, rank, alpha):

@@ -20,6 +20,7 @@ import torch
 from batch import REFERENCE, GroupBatch
 from llm import models, sampling
 from llm.logprobs import completion_logprobs
+from options import exploration
 
 
 class ReplayGroups:
@@ -30,6 +31,9 @@ class ReplayGroups:
         self.fresh, self.buffer, self.cfg = fresh, buffer, fresh.cfg
         self.replay_sampler = torch.Generator().manual_seed(fresh.cfg.seed)
         self.seeded = False               # --seed-buffer done (a resumed run has its buffer)
+        cfg = fresh.cfg                   # --seed-buffer's groups: every one by the reference
+        self.by_reference = exploration.Exploration(cfg.search_temperature, 1.0,
+                                                    cfg.search_temperature_frac)
 
     def __getattr__(self, name):          # start, publish, poll, tokens, ..., close
         return getattr(self.fresh, name)
@@ -47,7 +51,7 @@ class ReplayGroups:
                       f"({kept} kept: the buffer holds {len(self.buffer)} completions)", flush=True)
         while not self.seeded and stored < cfg.seed_buffer:
             n = min(cfg.prompts_per_step, cfg.seed_buffer - stored)
-            batch, _ = self.fresh.next_batch(0, n, reference_frac=1.0)
+            batch, _ = self.fresh.next_batch(0, n, sample=self.by_reference)
             self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], batch.to("cpu"))
             stored += n
         self.seeded = True

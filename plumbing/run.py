@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from options.stale_tb import GradientSketch
+from plumbing.staleness import GradientSketch
 from plumbing import checkpoint
 from plumbing.checkpoint import WriteError
 from plumbing.errors import NonFiniteError, SearcherError

@@ -18,7 +18,7 @@ import config
 from plumbing import errors
 from engines import processes
 import tasks
-import tba
+from assembly import load
 from buffer import ReplayBuffer
 from devices.weights import WeightChannel
 from tasks.toy import build_model, build_tokenizer
@@ -303,7 +303,7 @@ def test_trainer_keeps_no_reference_copy_when_searchers_score_it(tiny_model_dir,
     copy only for the synchronous loop or a task whose evaluation needs it (the toy's exact p*)."""
     def setup(*args):
         cfg = config.parse_args([*args, "--out", str(tmp_path / "run")])[0]
-        return tba.load(config.resolve(cfg))
+        return load.load(config.resolve(cfg))
     arith = ["--task", "arith", "--model", str(tiny_model_dir)]
     assert setup(*arith, "--searchers", "1").ref_model is None
     assert setup(*arith, "--searchers", "0").ref_model is not None

@@ -281,7 +281,7 @@ def fail_at_call(monkeypatch, n, make_loss):
         calls.append(1)
         out = real(*args, **kwargs)
         return make_loss(*out) if len(calls) == n else out
-    monkeypatch.setitem(trainer.LOSSES, "tb", trainer.Loss(loss))
+    monkeypatch.setattr(trainer, "TB", trainer.Loss(loss))
 
 
 def test_nan_loss_stops_the_run_at_that_step(tmp_path, monkeypatch, capsys):

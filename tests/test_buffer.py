@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from options import rloo
+from plumbing.staleness import off_policy_metrics
 import trainer
 from batch import REFERENCE, GroupBatch
 from buffer import ReplayBuffer
@@ -383,7 +383,7 @@ def test_tb_on_a_group_drawn_across_versions_by_hand():
     assert metrics["staleness_max"] == max(staleness)
     ratio = (logp.detach() - batch.behaviour_logp)[0]                           # [4]
     w = ratio.exp()
-    off = rloo.off_policy_metrics(logp, batch.behaviour_logp)
+    off = off_policy_metrics(logp, batch.behaviour_logp)
     assert off["log_ratio_mean"] == pytest.approx(ratio.mean().item())
     assert off["ess_frac"] == pytest.approx((w.sum() ** 2 / (4 * (w ** 2).sum())).item())
 

@@ -55,7 +55,7 @@ def test_explorative_groups_carry_the_log_probs_of_what_sampled_them():
     torch.manual_seed(3)
     batch, completions = searcher.sample_groups(
         policy, ref_model, tokenizer, task, prompts, group_size=5, max_new_tokens=5,
-        temperature=1.0, search_temperature=(0.5, 2.0), reference_frac=0.5)
+        temperature=1.0, sample=exploration.Exploration((0.5, 2.0), 0.5))
     assert 0 < batch.from_reference.sum() < len(prompts)          # both samplers at work
     assert batch.prompt_index.tolist() == [p.index for p in prompts]
     assert batch.reward.flatten().tolist() == task.reward(

@@ -7,11 +7,12 @@ import torch
 
 from llm import logprobs
 from llm import sampling
-from options import rloo
+from options import losses, rloo
 import searcher
 from engines import sources
 import tasks
 import trainer
+from plumbing import staleness
 from batch import GroupBatch
 from config import Config, resolve
 from options.policy_lag import Lag
@@ -88,14 +89,14 @@ def test_rloo_with_is_weights_by_hand():
 def test_ess_and_log_ratio_by_hand():
     logp = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
     behaviour_logp = torch.tensor([[0.0, 0.0], [0.0, -math.log(3)]])   # weights 1, 1, 1, 3
-    m = rloo.off_policy_metrics(logp, behaviour_logp)
+    m = staleness.off_policy_metrics(logp, behaviour_logp)
     assert m["log_ratio_mean"] == pytest.approx(math.log(3) / 4)
     assert m["ess_frac"] == pytest.approx(6 ** 2 / 12 / 4)             # (Σw)²/Σw² = 3 of 4
-    on_policy = rloo.off_policy_metrics(logp, logp)
+    on_policy = staleness.off_policy_metrics(logp, logp)
     assert on_policy == {"log_ratio_mean": 0.0, "ess_frac": pytest.approx(1.0)}
     # completions without a recorded μ are left out; huge ratios do not overflow
     unknown = torch.tensor([[math.nan, 0.0], [0.0, -1000.0]])
-    m = rloo.off_policy_metrics(logp, unknown)
+    m = staleness.off_policy_metrics(logp, unknown)
     assert m["ess_frac"] == pytest.approx(1 / 3)
 
 
@@ -128,7 +129,7 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
         optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         stats[loss] = trainer.train_step(policy, optimizer, scheduler, batch, beta=0.5,
-                                         loss=loss, is_clip=2.0, micro_groups=1)
+                                         loss=losses.make(loss, 2.0), micro_groups=1)
         steps[loss] = torch.cat([p.flatten() for p in policy.parameters()]) - start
         assert optimizer.param_groups[0]["lr"] == lr            # the schedule's rate, kept
     assert stats["vcpo"]["ess_frac"] == pytest.approx(ess_frac, rel=1e-4)
@@ -142,8 +143,8 @@ def test_vcpo_takes_the_rloo_is_step_times_root_ess():
     assert steps["vcpo"].abs().max() > 1e-4
     torch.testing.assert_close(steps["vcpo"], steps["rloo-is"], rtol=1e-4, atol=1e-8)
     # on-policy data (ESS/N = 1) takes the full step
-    assert rloo.ess_step_scale(rloo.off_policy_metrics(logp, logp)) == pytest.approx(1.0)
-    assert rloo.ess_step_scale({}) == 1.0
+    assert staleness.ess_step_scale(staleness.off_policy_metrics(logp, logp)) == pytest.approx(1.0)
+    assert staleness.ess_step_scale({}) == 1.0
 
 
 def lagged_source(lag, out):

@@ -12,7 +12,8 @@ import torch
 import trainer
 from batch import GroupBatch
 from llm import logprobs, sampling
-from options import stale_tb
+from options import losses, stale_tb
+from plumbing import staleness
 from tasks.toy import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_log_ratio_is_zero_for_completions_of_the_weights_being_trained():
     logp = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.5, math.nan], [-2.0, -4.5]])
-    rho = stale_tb.log_ratio(logp, behaviour, torch.tensor([7, 5]), current=7)
+    rho = staleness.log_ratio(logp, behaviour, torch.tensor([7, 5]), current=7)
     assert rho.tolist() == [[0.0, 0.0], [-1.0, 0.5]]      # group 0 fresh; a NaN log μ counts so
     rho.sum().backward()
     assert logp.grad.tolist() == [[0.0, 0.0], [1.0, 1.0]]  # the gradient flows through log π
@@ -75,7 +76,7 @@ def test_tb_trust_gradient_is_tb_with_the_ratio_in_the_residual():
     2·residual_i / K for a fresh one (ρ = 0 and no gradient), log Ẑ held."""
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.0, -1.5, -3.5]])
-    rho = stale_tb.log_ratio(logp, behaviour, torch.tensor([[3, 2, 2]]), current=3)
+    rho = staleness.log_ratio(logp, behaviour, torch.tensor([[3, 2, 2]]), current=3)
     lam = 0.5
     loss, log_z = stale_tb.tb_trust_loss(logp, torch.zeros(1, 3), torch.zeros(1, 3), 1.0, rho, lam)
     loss.backward()
@@ -103,7 +104,7 @@ def one_step(model, batch, loss, version):
     policy = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    stats = trainer.train_step(policy, optimizer, scheduler, batch, beta=0.5, loss=loss,
+    stats = trainer.train_step(policy, optimizer, scheduler, batch, beta=0.5, loss=losses.make(loss),
                                micro_groups=1, max_grad_norm=1.0, version=version)
     return torch.cat([p.detach().flatten() for p in policy.parameters()]), stats
 

@@ -12,6 +12,7 @@ from batch import GroupBatch
 from tasks.toy import build_model, build_tokenizer
 from llm.logprobs import (check_logprobs, completion_logprobs, enable_activation_checkpointing,
                       group_logprobs)
+from options import losses
 from options.rloo import rloo_loss
 from plumbing.schedules import beta_at, make_optimizer, WSD
 from trainer import sequence_logprobs, tb_loss, train_step
@@ -209,7 +210,7 @@ def test_micro_batches_give_the_same_step(toy):
         # plain SGD, so parameters move by exactly lr · gradient (Adam's first step is ~sign(g))
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        stats = train_step(policy, optimizer, scheduler, batch, beta=0.5, loss="tb",
+        stats = train_step(policy, optimizer, scheduler, batch, beta=0.5, loss=losses.make("tb"),
                            micro_groups=micro_groups, max_grad_norm=1.0)
         results.append((stats, torch.cat([p.flatten() for p in policy.parameters()])))
     (full, full_params), (micro, micro_params) = results
@@ -231,7 +232,7 @@ def test_tb_and_rloo_take_the_same_clipped_step(toy):
     for loss in ("tb", "rloo"):
         policy = copy.deepcopy(model)
         optimizer, scheduler = make_optimizer(policy, 1e-2, 10, 0, 0)
-        stats = train_step(policy, optimizer, scheduler, batch, beta=beta, loss=loss,
+        stats = train_step(policy, optimizer, scheduler, batch, beta=beta, loss=losses.make(loss),
                            max_grad_norm=1.0)
         grads[loss] = stats["grad_norm"]
         params[loss] = torch.cat([p.flatten() for p in policy.parameters()])
@@ -283,7 +284,7 @@ def test_split_groups_and_checkpointing_give_the_whole_group_step(toy, loss):
             enable_activation_checkpointing(trained)
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        stats = train_step(trained, optimizer, scheduler, batch, beta=0.5, loss=loss, micro_groups=1,
+        stats = train_step(trained, optimizer, scheduler, batch, beta=0.5, loss=losses.make(loss), micro_groups=1,
                            micro_completions=micro_completions)
         assert getattr(trained, "checkpointed_layers", 0) == (2 if checkpointing else 0)
         assert not trained.training                     # back in eval mode for sampling
