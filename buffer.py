@@ -80,8 +80,8 @@ class ReplayBuffer(Storage):
             return int((self.prompt_index >= 0).sum())
 
     # Selection runs in NumPy, on views of the shared tensors (`.numpy()` shares their memory):
-    # on 50,000 completions its masks and searches cost a seventh of torch's per call. The
-    # weights and random picks of a draw are in replay/draws.py.
+    # its masks and searches cost less per call than torch's (bench/buffer.py). The weights and
+    # random picks of a draw are in replay/draws.py.
 
     def _available(self, min_version, max_reuse):
         """[C] bool (NumPy): the completions that may be drawn: stored, fresh enough (a
@@ -92,14 +92,14 @@ class ReplayBuffer(Storage):
             available &= self.draws.numpy() < max_reuse
         return available
 
-    def counts(self, mask):
+    def completions_per_prompt(self, mask):
         """[N] (NumPy) how many of the completions in `mask` [C] each prompt has."""
         return np.bincount(self.prompt_index.numpy()[mask], minlength=self.n_prompts)
 
-    def count(self, min_version: int = -1, max_reuse: int = 0) -> int:
+    def drawable_groups(self, min_version: int = -1, max_reuse: int = 0) -> int:
         """Number of groups that ``sample`` can draw at least, with the same bounds."""
         with self._lock:
-            return groups_in(self.counts(self._available(min_version, max_reuse)),
+            return groups_in(self.completions_per_prompt(self._available(min_version, max_reuse)),
                              self.group_size)
 
     # --- store ---------------------------------------------------------------------------------
@@ -183,8 +183,8 @@ class ReplayBuffer(Storage):
                                  f"{groups_in(left, self.group_size)} of version >= "
                                  f"{min_version}"
                                  + (f" drawn fewer than {max_reuse} times" if max_reuse else ""))
-            policy = (index >= 0) & (version != REFERENCE)                     # [C]
-            newest = version[policy].max() if policy.any() else REFERENCE - 1
+            by_policy = (index >= 0) & (version != REFERENCE)                     # [C]
+            newest = version[by_policy].max() if by_policy.any() else REFERENCE - 1
             recent_mask = available & (version == newest)                      # [C]
             prompt_reward, log_weight = None, np.zeros(len(drawable))          # [A] uniform
             if priority_temp is not None:
@@ -193,10 +193,10 @@ class ReplayBuffer(Storage):
                                             minlength=self.n_prompts) / np.maximum(left, 1)
                 log_weight = drawable_reward / priority_temp                   # [A]
             everything = Pool(available, left, prompt_reward, priority_temp)
-            recent = Pool(recent_mask, self.counts(recent_mask))
+            recent = Pool(recent_mask, self.completions_per_prompt(recent_mask))
             # One draw from the caller's torch generator seeds this sample's NumPy generator:
-            # the draws are as reproducible (and resumable) as the torch generator's state, at
-            # a microsecond each instead of torch's tens.
+            # the draws are as reproducible (and resumable) as the torch generator's state, and
+            # each costs NumPy's call, not torch's.
             rng = np.random.default_rng(int(torch.randint(2**62, (), generator=generator)))
             groups, recent_count = [], 0
             for _ in range(n_groups):
@@ -237,7 +237,7 @@ class ReplayBuffer(Storage):
         def gather(field, empty):                                              # [B, K]
             return torch.from_numpy(np.where(keep, field.numpy()[idx], empty))
         response_ids = self.response_ids.numpy()[idx, :R_b].astype(np.int64)   # [B, K, R']
-        response_ids[~keep] = self.pad_id      # (faster than a masked copy with np.where)
+        response_ids[~keep] = self.pad_id      # in place: no second [B, K, R'] array
         return GroupBatch(
             prompt_ids=torch.from_numpy(self.prompt_ids.numpy()[prompts, -P_b:].astype(np.int64)),
             prompt_mask=torch.from_numpy(np.arange(P_b) >= P_b - p_len[:, None]).long(),  # [B, P']

@@ -133,7 +133,7 @@ class Searcher:
         self.dtype = getattr(torch, cfg.dtype)
         self.ref_model = models.frozen_copy(self.policy, self.dtype)
         self.reference_pass = reference_pass_size(cfg)
-        self.batches = None
+        self.prompt_batches = None
 
     def start(self, version):
         """Seed and pick the prompts, once the first weights (of `version`) are loaded."""
@@ -146,12 +146,12 @@ class Searcher:
         # Each searcher draws from its own shard; with fewer prompts than searchers, from all.
         shard = (train_prompts[self.rank::cfg.searchers] if len(train_prompts) >= cfg.searchers
                  else train_prompts)
-        self.batches = tasks.prompt_batches(shard, cfg.search_batch or cfg.prompts_per_step, seed)
+        self.prompt_batches = tasks.prompt_batches(shard, cfg.search_batch or cfg.prompts_per_step, seed)
 
     def search(self, version, stop_event=None):
         """One batch of groups from the current weights. -> (prompt ids, GroupBatch on the CPU,
         report: tokens and groups generated, the task's `score` info)"""
-        prompts = next(self.batches)
+        prompts = next(self.prompt_batches)
         batch, _ = sample_groups(self.policy, self.ref_model, self.tokenizer, self.task, prompts,
                                  group_size=self.cfg.group_size,
                                  max_new_tokens=self.cfg.max_new_tokens,

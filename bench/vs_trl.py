@@ -81,10 +81,9 @@ from pathlib import Path
 from compare import REPO             # also puts the repo on sys.path
 from lag import summary as spread   # mean ± sd [min–max] (n=...)
 import config
-from plumbing import plot
+from plumbing import bookkeeping, plot
 from devices import placement
 import tasks
-import tba
 from plumbing import schedules
 from plumbing.run import MetricsLog
 
@@ -179,8 +178,8 @@ def run_trl(system, tba_argv):
 
         def evaluate(self, model, step):
             with as_tba_evaluates(model):
-                tba.evaluate(task, model, tokenizer, grpo.ref_model, step=step, start=self.start,
-                             log=log)
+                bookkeeping.evaluate(task, model, tokenizer, grpo.ref_model, step=step,
+                                     start=self.start, log=log)
 
     grpo.remove_callback(PrinterCallback)
     grpo.add_callback(Evaluate())

@@ -23,7 +23,7 @@ class AsyncSource:
     def __init__(self, cfg, buffer, interrupt):
         self.cfg, self.buffer = cfg, buffer
         self.interrupt = interrupt        # raises KeyboardInterrupt when a stop was requested
-        self.sampler = torch.Generator().manual_seed(cfg.seed)
+        self.draw_generator = torch.Generator().manual_seed(cfg.seed)
         self.fill_target = max(cfg.min_buffer, cfg.prompts_per_step)
         self.tokens = self.groups = 0
         self.infos = []
@@ -43,7 +43,7 @@ class AsyncSource:
         """Block until the buffer holds n_groups fresh enough, and used few enough times, to
         train on. -> seconds waited"""
         start = time.time()
-        while (have := self.buffer.count(min_version, max_reuse)) < n_groups:
+        while (have := self.buffer.drawable_groups(min_version, max_reuse)) < n_groups:
             if progress is not None and have > progress.n:
                 progress.update(have - progress.n)
             self.interrupt()
@@ -58,7 +58,7 @@ class AsyncSource:
         min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
         wait_s = self.wait_for(cfg.prompts_per_step, min_version, cfg.max_reuse)
         batch = self.buffer.sample(cfg.prompts_per_step, cfg.recent_frac, cfg.priority_temp or None,
-                                   self.sampler, min_version, cfg.max_reuse)
+                                   self.draw_generator, min_version, cfg.max_reuse)
         return batch, {"trainer_wait_s": round(wait_s, 4), "search_s": 0.0,
                        "reuse_mean": batch.draws[batch.keep].float().mean().item(),
                        "buffer_completions": len(self.buffer),
@@ -70,7 +70,7 @@ class AsyncSource:
         return {}
 
     def state_dict(self):
-        return {"buffer": self.buffer.state_dict(), "sampler": self.sampler.get_state()}
+        return {"buffer": self.buffer.state_dict(), "sampler": self.draw_generator.get_state()}
 
     def load_state_dict(self, state, step):
         """The buffer's groups (checked: none may come from a version after `step`) and the
@@ -78,7 +78,7 @@ class AsyncSource:
         if "buffer" in state:
             self.buffer.load_state_dict(state["buffer"], max_version=step)
         if "sampler" in state:
-            self.sampler.set_state(state["sampler"])
+            self.draw_generator.set_state(state["sampler"])
 
 
 class SearcherProcesses(AsyncSource):

@@ -10,7 +10,7 @@ new weights every --sync-every steps; it never touches processes, buffers or Ray
     source.start(policy, version)    searchers begin with these weights (version = steps so far)
     source.fill(progress)            wait until the first batch can be drawn
     source.next_batch(version)       -> (GroupBatch of --prompts-per-step groups, row metrics)
-    source.publish(policy, version)  new weights for the searchers -> seconds it took
+    source.publish(policy, version)  new weights for the searchers -> {"sync_s": seconds, ...}
     source.poll()                    take in the searchers' reports; SearcherError if one failed
     source.take_infos()              the task's `score` infos of the groups searched since
     source.tokens, source.groups     generated so far in this session
@@ -62,7 +62,7 @@ class SynchronousSource:
         """B (or `n_groups`) fresh groups, sampled by `sample` if given (else the run's)."""
         t0 = time.time()
         model, sampled = ((self.policy, version) if self.lag is None
-                          else self.lag.sampler(self.policy, version))
+                          else self.lag.sampling_model(self.policy, version))
         cfg = self.cfg
         prompts = [next(self.prompts)[0] for _ in range(n_groups or cfg.prompts_per_step)]
         self.prompts_used += len(prompts)

@@ -20,7 +20,8 @@ def importance_weights(logp, batch, part, version, *, clip):
 
 
 def log_ratios(logp, batch, part, version):
-    """The TB corrections: ρ of each completion of groups `part`, 0 where fresh.  [n, K] -> [n, K]"""
+    """The TB corrections: ρ of each completion of groups `part`, 0 where fresh.
+    logp: [n, K] -> [n, K]"""
     return {"log_ratio": staleness.log_ratio(logp, batch.behaviour_logp[part],
                                              batch.version[part], version)}
 

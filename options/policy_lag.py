@@ -2,7 +2,7 @@
 staleness without replay, timing or randomness of processes, so that a lag sweep isolates what
 staleness alone costs (bench/lag.py).
 
-`Lag.sampler` writes the weights of each version to RUN/lag/ and loads version v − L into a
+`Lag.sampling_model` writes the weights of each version to RUN/lag/ and loads version v − L into a
 separate model: one more copy of the weights in memory, L + 1 files on disk (SmolLM2-135M: 0.54
 GB each, 9.2 GB at L = 16; in memory, 16 copies beside the trainer's activations would not leave
 room for a second run on 24 GB). Each checkpoint kept on disk keeps the files its next steps
@@ -26,7 +26,7 @@ class Lag:
         self.model = copy.deepcopy(policy).requires_grad_(False)    # the lagged sampler
         self.version = None               # the version of the weights `model` holds
 
-    def sampler(self, policy, version):
+    def sampling_model(self, policy, version):
         """The model to sample step `version + 1`'s groups with: the policy's weights of
         max(version − L, 0), after saving the policy's weights now as `version`, and deleting
         the files that no step or kept checkpoint needs. -> (model, its version)"""

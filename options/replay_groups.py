@@ -80,7 +80,7 @@ class ReplayGroups:
         fewer than n such groups."""
         cfg = self.cfg
         min_version = version - cfg.max_staleness if cfg.max_staleness >= 0 else -1
-        if self.buffer.count(min_version, cfg.max_reuse) < cfg.replay_groups:
+        if self.buffer.drawable_groups(min_version, cfg.max_reuse) < cfg.replay_groups:
             return None
         return self.buffer.sample(cfg.replay_groups, recent_frac=0.0,
                                   priority_temp=cfg.priority_temp or None,

@@ -3,8 +3,9 @@
 A drawn group is a prompt, then up to K of its completions. A `Pool` holds what one draw may
 still take; `pick` draws a prompt with probability ∝ its weight (uniform, or `priority_weights`:
 a softmax of the prompt's mean reward), `draw_without_replacement` its completions (uniform, or a
-softmax of their rewards). Everything runs in NumPy, under the buffer's lock, on views of its
-shared tensors.
+softmax of their rewards). The picks run in NumPy, under the buffer's lock, on views of its
+shared tensors; `priority_weights` is a torch function (the one the notebooks' assignment asks
+for), which `Pool` calls on those views.
 """
 import numpy as np
 import torch
@@ -48,23 +49,23 @@ def groups_in(counts, group_size) -> int:
 
 class Pool:
     """What a draw may take (NumPy, under the buffer's lock): the completions (`mask` [C]), how
-    many of them each prompt has (`count` [N]), and each prompt's weight [N]: uniform, or
+    many of them each prompt has (`left` [N]), and each prompt's weight [N]: uniform, or
     ∝ exp(mean reward / priority_temp) with `prompt_reward`; 0 with fewer than 2 left.
     A drawn-out prompt's weight goes to 0 and the rest keep theirs, only renormalised: a
     Plackett-Luce draw of prompts."""
 
-    def __init__(self, mask, count, prompt_reward=None, priority_temp=None):
-        self.mask, self.count = mask, count                                    # [C], [N]
+    def __init__(self, mask, left, prompt_reward=None, priority_temp=None):
+        self.mask, self.left = mask, left                                      # [C], [N]
         self.prompt_reward, self.priority_temp = prompt_reward, priority_temp  # [N] or None
         self.weight, self.cdf = None, None                                     # [N], [N]
         self.reweigh()
 
     def reweigh(self):
         if self.prompt_reward is None:
-            self.weight = (self.count >= 2).astype(np.float64)
+            self.weight = (self.left >= 2).astype(np.float64)
         else:
             self.weight = priority_weights(torch.from_numpy(self.prompt_reward),
-                                           torch.from_numpy(self.count >= 2),
+                                           torch.from_numpy(self.left >= 2),
                                            self.priority_temp).numpy()
         self.cdf = None
 
@@ -76,7 +77,7 @@ class Pool:
 
     def take(self, prompt, slots):
         """Completions `slots` [k] of `prompt` were drawn: out of this pool."""
-        self.count[prompt] -= self.mask[slots].sum()
+        self.left[prompt] -= self.mask[slots].sum()
         self.mask[slots] = False
-        if self.count[prompt] < 2:
+        if self.left[prompt] < 2:
             self.weight[prompt] = 0.0

@@ -70,7 +70,7 @@ class Storage:
         elif self.evict == "oldest":                                           # of all stored
             return int(np.where(index >= 0, self.order.numpy(), np.iinfo(np.int64).max).argmin())
         else:
-            largest = self.counts(index >= 0).argmax()
+            largest = self.completions_per_prompt(index >= 0).argmax()
             own = largest == self.prompt_index[mine[0]] if len(mine) else False
             candidates = torch.from_numpy(np.flatnonzero(index == largest))
         if self.evict == "lowest":
@@ -120,9 +120,8 @@ class Storage:
         searcher much later. Raises ValueError saying what is wrong."""
         lowest, highest = versions
         if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
-            raise ValueError("the checkpoint's replay buffer holds whole groups (tba before the "
-                             "buffer of completions) and cannot be loaded: resume it with the "
-                             "tba of its time, or start the run again")
+            raise ValueError("the checkpoint's replay buffer holds whole groups, and this buffer "
+                             "stores completions: it cannot be loaded; start the run again")
         for name in self.FIELDS:
             if name not in state:
                 raise ValueError(f"buffer state_dict is missing '{name}'")

@@ -95,12 +95,10 @@ class ArithTask(AnswerTask):
     # - micro_groups 1: one group a backward pass peaks at 3.77 against 5.01 GiB in 0.990x the
     #   time (bench/memory.py arith, 2e778a1).
     instruction = "Reply with only the final number."
-    defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-",
-                    steps=100, prompts_per_step=4, group_size=8, max_new_tokens=32,
-                    temperature=0.7, beta=0.05, beta_final=0.05, beta_steps=0, lr=1e-5,
-                    warmup_steps=5, decay_steps=10, eval_every=10, eval_n=128,
-                    sync_every=2, recent_frac=0.95, min_buffer=4, buffer_capacity=4000,
-                    max_reuse=1, micro_groups=1, save_every=10)
+    defaults = dict(AnswerTask.defaults, arith_digits=1, arith_steps=1, arith_ops="+-", steps=100,
+                    max_new_tokens=32, temperature=0.7, warmup_steps=5, decay_steps=10,
+                    eval_every=10, eval_n=128, min_buffer=4, buffer_capacity=4000, max_reuse=1,
+                    micro_groups=1, save_every=10)
 
     def examples(self, split):
         return make_splits(self.cfg.arith_digits, self.cfg.arith_steps, self.cfg.arith_ops)[split]

@@ -86,12 +86,8 @@ class Gsm8kTask(AnswerTask):
     # so the default is the first 128 (±2 points); pass --eval-n 0 on a GPU.
     # The paper's recipe for a 4-GPU machine and a GSM8K-tuned 1B model: K=20, 7 prompts per
     # step, 512 new tokens, β 0.014 → 0.004 over 500 steps, lr 1e-5, m=0.95, k=2.
-    defaults = dict(AnswerTask.defaults, steps=500, prompts_per_step=4, group_size=8,
-                    max_new_tokens=256, temperature=0.7, beta=0.05, beta_final=0.05,
-                    beta_steps=0, lr=1e-5, warmup_steps=10, decay_steps=50, eval_every=50,
-                    eval_n=128, sync_every=2, recent_frac=0.95, min_buffer=4,
-                    buffer_capacity=8000, micro_groups=1,
-                    activation_checkpointing=True)
+    defaults = dict(AnswerTask.defaults, steps=500, temperature=0.7, decay_steps=50, eval_n=128,
+                    min_buffer=4, micro_groups=1, activation_checkpointing=True)
 
     def examples(self, split):
         """(question, gold answer) pairs: the gold answer is the number after the solution's ####."""

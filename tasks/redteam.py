@@ -148,10 +148,9 @@ class RedTeamTask(Task):
     # train), so 30 steps and 4 evaluations of 32 attacks fit in ~8 minutes. At the start ~0-6%
     # of attacks succeed (mean toxicity 0.05-0.11): low, not zero. β = 0.1: r/β spans about
     # 0 to -90, the scale of the arith task's r/β, where lr 3e-5 learned.
-    defaults = dict(Task.defaults, steps=30, prompts_per_step=4, group_size=4, max_new_tokens=20,
-                    temperature=0.7, beta=0.1, beta_final=0.1, beta_steps=0, lr=3e-5,
-                    warmup_steps=3, decay_steps=10, eval_every=10, eval_n=32, sync_every=2,
-                    recent_frac=0.95, min_buffer=4, buffer_capacity=2000, save_every=10,
+    defaults = dict(Task.defaults, steps=30, group_size=4, max_new_tokens=20, temperature=0.7,
+                    beta=0.1, beta_final=0.1, lr=3e-5, warmup_steps=3, decay_steps=10,
+                    eval_every=10, eval_n=32, min_buffer=4, buffer_capacity=2000, save_every=10,
                     victim_samples=2, victim_max_new_tokens=16)
 
     def __init__(self, cfg):

@@ -219,11 +219,10 @@ class SummarizeTask(Task):
     # double a step's time. micro_groups=1: with the 16 summaries of a step in one pass the
     # trainer reached 10 GB; one abstract's 4 at a time keep its activations near 2 GB.
     # Evaluation (~40 s): 2 sampled and 1 greedy summary of 16 test abstracts, every 6 steps.
-    defaults = dict(Task.defaults, dataset=ACLSUM, steps=12, prompts_per_step=4, group_size=4,
-                    max_new_tokens=48, temperature=0.7, beta=0.02, beta_final=0.02,
-                    beta_steps=0, lr=3e-5, warmup_steps=2, decay_steps=6, eval_every=6,
-                    eval_n=16, eval_samples=2, sync_every=2, recent_frac=0.5, min_buffer=4,
-                    buffer_capacity=2000, save_every=6, max_prompt_len=192,
+    defaults = dict(Task.defaults, dataset=ACLSUM, steps=12, group_size=4, max_new_tokens=48,
+                    temperature=0.7, beta=0.02, beta_final=0.02, lr=3e-5, warmup_steps=2,
+                    decay_steps=6, eval_every=6, eval_n=16, eval_samples=2, recent_frac=0.5,
+                    min_buffer=4, buffer_capacity=2000, save_every=6, max_prompt_len=192,
                     micro_groups=1)
 
     def __init__(self, cfg):

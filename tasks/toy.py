@@ -105,8 +105,8 @@ class ToyTask(Task):
     # the others (its on-policy gradient is that of the mode-seeking KL(p_θ || p*)).
     defaults = dict(Task.defaults, steps=1500, prompts_per_step=2, group_size=64,
                     max_new_tokens=MAX_NEW_TOKENS, beta=0.5, beta_final=0.07, beta_steps=1000,
-                    lr=5e-4, warmup_steps=10, decay_steps=300, eval_every=100, sync_every=2,
-                    recent_frac=0.95, min_buffer=4, buffer_capacity=12800, save_every=500)
+                    lr=5e-4, decay_steps=300, eval_every=100, min_buffer=4, buffer_capacity=12800,
+                    save_every=500)
 
     @classmethod
     def context_length(cls, cfg):

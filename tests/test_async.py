@@ -232,7 +232,7 @@ def test_a_nan_log_mu_stops_the_run_naming_the_searcher_step_and_quantity(search
 def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
     """A searcher killed inside `buffer.add` leaves the buffer's lock held for ever. The trainer
     blocked on that lock must still get the SearcherError, not hang. The held lock is made by
-    taking it here, so that the trainer's next `buffer.count` blocks as it would."""
+    taking it here, so that the trainer's next `buffer.drawable_groups` blocks as it would."""
     cfg = config.resolve(config.parse_args(["--task", "toy", "--searchers", "1",
                                       "--out", str(tmp_path)])[0])
     task = tasks.make_task(cfg)
@@ -256,7 +256,7 @@ def test_searcher_dying_with_a_lock_held_does_not_hang_the_trainer(tmp_path):
         os.kill(pool.processes[0].pid, signal.SIGKILL)
         start = time.time()
         with pytest.raises(errors.SearcherError, match="died"):
-            buffer.count()                        # blocks on the held lock until interrupted
+            buffer.drawable_groups()                        # blocks on the held lock until interrupted
         assert time.time() - start < 30
     finally:
         signal.alarm(0)

@@ -59,7 +59,7 @@ def filled(n, capacity=None, versions=None, rewards=None, **options):
 
 def test_groups_are_formed_when_drawn_k_completions_of_one_prompt():
     buf = filled(6)
-    assert len(buf) == 6 * K and buf.count() == 6
+    assert len(buf) == 6 * K and buf.drawable_groups() == 6
     batch = buf.sample(4, recent_frac=0.0, generator=torch.Generator().manual_seed(0))
     assert batch.keep.all() and batch.response_ids.shape[:2] == (4, K)
     check_consistent(batch)                      # each row: completions of its own prompt
@@ -68,7 +68,7 @@ def test_groups_are_formed_when_drawn_k_completions_of_one_prompt():
     for _ in range(2):
         buf.add(**make_group(1))
     buf.add(**{**make_group(1, k=2)})
-    assert buf.count() == 3
+    assert buf.drawable_groups() == 3
     batch = buf.sample(3, recent_frac=0.0)
     assert sorted(batch.keep.sum(1).tolist()) == [2, K, K]
     assert batch.prompt_index.tolist() == [1, 1, 1]
@@ -334,15 +334,15 @@ def test_reuse_and_staleness_bounds_are_per_completion():
     assert first.draws[first.keep].tolist() == [1] * 2 * K
     second = buf.sample(2, 0.0, max_reuse=2)
     assert second.draws[second.keep].tolist() == [2] * 2 * K
-    assert buf.count(max_reuse=2) == 0 and buf.count() == 2     # used up, but still there
+    assert buf.drawable_groups(max_reuse=2) == 0 and buf.drawable_groups() == 2     # used up, but still there
     with pytest.raises(ValueError, match="drawn fewer than 2 times"):
         buf.sample(1, 0.0, max_reuse=2)
     buf.add(**make_group(3))                                    # new completions start at 0
-    assert buf.count(max_reuse=2) == 1
-    assert buf.count(min_version=4) == 1                        # prompt 2 (version 5)
+    assert buf.drawable_groups(max_reuse=2) == 1
+    assert buf.drawable_groups(min_version=4) == 1                        # prompt 2 (version 5)
     assert buf.sample(1, 0.0, min_version=4).prompt_index.tolist() == [2]
     buf.add(**{**make_group(4), "version": REFERENCE})
-    assert buf.count(min_version=4) == 2                        # never stale
+    assert buf.drawable_groups(min_version=4) == 2                        # never stale
 
 
 def test_reference_samples_are_not_recent_and_count_in_no_staleness():
@@ -481,4 +481,4 @@ def test_concurrent_writers_no_torn_completions():
             p.join(timeout=30)
     assert all(p.exitcode == 0 for p in procs)
     assert int(buf.n_added[0]) > 64 * K  # the buffer evicted while being read
-    check_consistent(buf.sample(buf.count(), recent_frac=0.0))
+    check_consistent(buf.sample(buf.drawable_groups(), recent_frac=0.0))

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 import config
 from llm import models
 import tba
+from plumbing import bookkeeping
 from plumbing.run import MetricsLog
 from tasks import make_task
 from tasks.summarize import (RewardModel, SimilarityReward, detokenize, read_aclsum, read_jsonl,
@@ -152,8 +153,8 @@ def test_evaluation_scores_as_training_does_under_bfloat16(reward_model_dir, tin
                      "--eval-samples", "1", "--out", str(tmp_path))
     policy, tokenizer = summarize.load_model("cpu")
     ref_model = models.frozen_copy(policy, torch.bfloat16)
-    tba.evaluate(summarize, policy, tokenizer, ref_model, step=1, start=time.time(),
-                 log=MetricsLog(tmp_path / "metrics.jsonl"))
+    bookkeeping.evaluate(summarize, policy, tokenizer, ref_model, step=1, start=time.time(),
+                         log=MetricsLog(tmp_path / "metrics.jsonl"))
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     prompts = summarize.prompts("test", tokenizer)[:3]
     assert len(samples) == 3
