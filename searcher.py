@@ -28,7 +28,7 @@ from plumbing.errors import NonFiniteError, diverged_policy_named
 @dataclass(frozen=True)
 class SearchOptions:
     """Where options change a searcher, wired in where the run is assembled
-    (`engines.sources.make_source`); None: the plain path.
+    (`assembly.load.make_source`); None: the plain path.
     sample: generates the groups instead of `sampling.generate` at the trainer's temperature,
             (policy, ref_model, tokenizer, prompt ids, *, temperature, num_samples,
             max_new_tokens, stop_event) -> (`generate`'s five outputs, each group's temperature

@@ -8,12 +8,20 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging as transformers_logging
 
+import searcher
 import tasks
 import trainer
+from buffer import ReplayBuffer, shared_bytes
 from devices import placement
-from engines import sources
+from devices.placement import check_shared_memory
+from devices.weights import WeightChannel
+from engines.async_source import SearcherProcesses
+from engines.ray_source import RaySearchers
+from engines.sources import SynchronousSource
 from llm import logprobs, models
-from options import learned_log_z, lora, losses
+from options import exploration, learned_log_z, lora, losses
+from options.policy_lag import Lag
+from options.replay_groups import ReplayGroups
 from plumbing import run, schedules
 
 
@@ -65,9 +73,9 @@ def load(cfg):
                                                     lr_final=cfg.lr_final)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
     stop = run.StopRequests()
-    source = sources.make_source(cfg, task=task, policy=policy, ref_model=ref_model,
-                                 tokenizer=tokenizer, prompts=prompts, layout=layout,
-                                 interrupt=stop.check)
+    source = make_source(cfg, task=task, policy=policy, ref_model=ref_model,
+                         tokenizer=tokenizer, prompts=prompts, layout=layout,
+                         interrupt=stop.check)
     progress = run.Progress()
     if cfg.resume:
         progress = run.restore(cfg.out, steps=cfg.steps, policy=policy, optimizer=optimizer,
@@ -78,3 +86,34 @@ def load(cfg):
                  ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                  source=source, progress=progress, stop=stop,
                  loss=losses.make(cfg.loss, cfg.is_clip), log_z=log_z)
+
+
+def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):
+    """The group source for this run's settings. Searchers (and --replay-groups) get a replay
+    buffer sized for the longest prompt (in shared memory unless they are Ray actors);
+    `interrupt` raises KeyboardInterrupt when a stop was requested, while the trainer waits for
+    groups."""
+    options = searcher.SearchOptions(sample=exploration.from_config(cfg),
+                                     adapt=lora.adapter(cfg.lora_rank, cfg.lora_alpha))
+    lag = Lag(cfg.lag, policy, cfg.out) if cfg.lag else None       # --searchers 0 only
+    if not cfg.searchers and not cfg.replay_groups:
+        return SynchronousSource(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag,
+                                 sample=options.sample)
+    longest = max(len(p.ids) for p in prompts)
+    n_prompts = max(p.index for p in prompts) + 1
+    embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
+    need = ((WeightChannel.bytes_needed(policy) if cfg.searchers and not cfg.ray else 0)
+            + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens, n_prompts,
+                           embedding_dim))
+    check_shared_memory(need)
+    buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
+                          n_prompts=n_prompts, pad_id=tokenizer.pad_token_id,
+                          per_prompt=cfg.buffer_per_prompt, evict=cfg.buffer_evict,
+                          dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
+                          embedding_dim=embedding_dim)
+    if not cfg.searchers:
+        return ReplayGroups(cfg, task, policy, ref_model, tokenizer, prompts, buffer, lag=lag,
+                            sample=options.sample)
+    if cfg.ray:
+        return RaySearchers(cfg, buffer, layout.threads, interrupt, options)
+    return SearcherProcesses(cfg, buffer, layout, interrupt, shared_bytes=need, options=options)

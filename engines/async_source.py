@@ -15,9 +15,10 @@ from devices.placement import GB
 from devices.sync_check import LoadLog
 from devices.weights import WeightChannel
 from engines import processes
+from engines.sources import GroupSource
 
 
-class AsyncSource:
+class AsyncSource(GroupSource):
     """A source whose groups come from a replay buffer that searchers elsewhere fill."""
 
     def __init__(self, cfg, buffer, interrupt):
@@ -34,10 +35,6 @@ class AsyncSource:
             self.groups += report["groups"]
             if report["info"] is not None:
                 self.infos.append(report["info"])
-
-    def take_infos(self):
-        infos, self.infos = self.infos, []
-        return infos
 
     def wait_for(self, n_groups, min_version=-1, max_reuse=0, progress=None):
         """Block until the buffer holds n_groups fresh enough, and used few enough times, to

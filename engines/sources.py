@@ -1,8 +1,10 @@
-"""Where the trainer's groups come from: one interface, three engines and two options.
+"""Where the trainer's groups come from: one interface (`GroupSource`), three engines and two
+options.
 
-`make_source` builds the one a run's settings ask for, on the devices `placement` gives each
-process. The training loop (`tba.train`) asks a *group source* for each step's batch and hands it
-new weights every --sync-every steps; it never touches processes, buffers or Ray itself:
+`assembly.load.make_source` builds the one a run's settings ask for, on the devices `placement`
+gives each process. The training loop (`tba.train`) asks a *group source* for each step's batch
+and hands it new weights every --sync-every steps; it never touches processes, buffers or Ray
+itself:
 
     source.connect(quiet)            what it needs before training (a Ray cluster), and a line on
                                      what it holds (shared memory); last in `load`: bad input
@@ -30,21 +32,43 @@ import torch
 
 import searcher
 import tasks
-from engines.async_source import SearcherProcesses
-from buffer import ReplayBuffer, shared_bytes
-from options import exploration, lora
-from options.policy_lag import Lag
-from devices.placement import check_shared_memory
-from engines.ray_source import RaySearchers
-from options.replay_groups import ReplayGroups
-from devices.weights import WeightChannel
 
 
-class SynchronousSource:
+class GroupSource:
+    """The interface above, with what a source that runs nothing beside the trainer does:
+    nothing to connect to, start, wait for or stop, and weights it need not be sent."""
+
+    fill_target = 0                       # groups to wait for before the first step
+    tokens = groups = 0
+
+    def connect(self, quiet=False): pass
+
+    def start(self, policy, version): pass
+
+    def fill(self, progress=None): pass
+
+    def next_batch(self, version):
+        raise NotImplementedError
+
+    def publish(self, policy, version): return {"sync_s": 0.0}
+
+    def poll(self, wait_s=0.0): pass
+
+    def take_infos(self):
+        infos, self.infos = self.infos, []
+        return infos
+
+    def state_dict(self): return {}
+
+    def load_state_dict(self, state, step): pass
+
+    def close(self): pass
+
+
+class SynchronousSource(GroupSource):
     """--searchers 0: each step samples B fresh groups from the trainer's own policy (with
-    --lag, `lag` gives the model to sample with instead)."""
-
-    fill_target = 0                       # nothing to wait for before the first step
+    --lag, `lag` gives the model to sample with instead); its weights are the trainer's, so
+    `publish` sends nothing."""
 
     def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, lag=None, sample=None):
         self.cfg, self.task, self.policy, self.ref_model, self.tokenizer = (
@@ -79,22 +103,6 @@ class SynchronousSource:
                        "reuse_mean": 1.0, "buffer_completions": 0, "recent_frac_actual": 1.0,
                        **batch.sampling_metrics(version)}
 
-    def connect(self, quiet=False): pass                   # nothing to connect to
-
-    def start(self, policy, version): pass                 # nothing runs beside the trainer
-
-    def fill(self, progress=None): pass
-
-    def publish(self, policy, version): return {"sync_s": 0.0}   # the sampler *is* the policy
-
-    def poll(self, wait_s=0.0): pass
-
-    def close(self): pass
-
-    def take_infos(self):
-        infos, self.infos = self.infos, []
-        return infos
-
     def state_dict(self):
         return {"prompts_used": self.prompts_used}
 
@@ -105,35 +113,3 @@ class SynchronousSource:
             next(self.prompts)
         if self.lag is not None:
             self.lag.check_resume(step)
-
-
-def make_source(cfg, *, task, policy, ref_model, tokenizer, prompts, layout, interrupt):
-    """The group source for this run's settings. Searchers (and --replay-groups) get a replay
-    buffer sized for the longest prompt (in shared memory unless they are Ray actors);
-    `interrupt` raises KeyboardInterrupt when a stop was requested, while the trainer waits for
-    groups."""
-    options = searcher.SearchOptions(sample=exploration.from_config(cfg),
-                                     adapt=lora.adapter(cfg.lora_rank, cfg.lora_alpha))
-    if not cfg.searchers:
-        lag = Lag(cfg.lag, policy, cfg.out) if cfg.lag else None
-        source = SynchronousSource(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag,
-                                   sample=options.sample)
-        if not cfg.replay_groups:
-            return source
-    longest = max(len(p.ids) for p in prompts)
-    n_prompts = max(p.index for p in prompts) + 1
-    embedding_dim = task.embedding_dim if cfg.merge_cosine else 0
-    need = ((WeightChannel.bytes_needed(policy) if cfg.searchers and not cfg.ray else 0)
-            + shared_bytes(cfg.buffer_capacity, longest, cfg.max_new_tokens, n_prompts,
-                           embedding_dim))
-    check_shared_memory(need)
-    buffer = ReplayBuffer(cfg.buffer_capacity, cfg.group_size, longest, cfg.max_new_tokens,
-                          n_prompts=n_prompts, pad_id=tokenizer.pad_token_id,
-                          per_prompt=cfg.buffer_per_prompt, evict=cfg.buffer_evict,
-                          dedup=cfg.dedup, merge_cosine=cfg.merge_cosine,
-                          embedding_dim=embedding_dim)
-    if not cfg.searchers:
-        return ReplayGroups(source, buffer)
-    if cfg.ray:
-        return RaySearchers(cfg, buffer, layout.threads, interrupt, options)
-    return SearcherProcesses(cfg, buffer, layout, interrupt, shared_bytes=need, options=options)

@@ -3,7 +3,7 @@
 `--search-temperature LOW HIGH` draws each group's temperature from U(LOW, HIGH) (only a share
 `--search-temperature-frac` of the groups, the others at --temperature); `--reference-frac p`
 has the reference sample a group instead of the policy with probability p. `from_config` gives
-the run's `Exploration`, which `engines.sources.make_source` hands every searcher as its sampler
+the run's `Exploration`, which `assembly.load.make_source` hands every searcher as its sampler
 (`searcher.SearchOptions.sample`). The batch records both per group, and each completion's
 log μ is that of the distribution that really sampled it: TB's fixed point does not depend on
 who sampled (trainer.tb_loss).

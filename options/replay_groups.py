@@ -18,41 +18,40 @@ import math
 import torch
 
 from batch import REFERENCE, GroupBatch
+from engines.sources import SynchronousSource
 from llm import models, sampling
 from llm.logprobs import completion_logprobs
 from options import exploration
 
 
-class ReplayGroups:
-    """The group source: a `sources.SynchronousSource` (`fresh`) whose batches are topped up with
-    replayed groups; everything but the batch and the state is the fresh source's."""
+class ReplayGroups(SynchronousSource):
+    """The synchronous source, its batches topped up with groups replayed from `buffer`."""
 
-    def __init__(self, fresh, buffer):
-        self.fresh, self.buffer, self.cfg = fresh, buffer, fresh.cfg
-        self.replay_sampler = torch.Generator().manual_seed(fresh.cfg.seed)
+    def __init__(self, cfg, task, policy, ref_model, tokenizer, prompts, buffer, lag=None,
+                 sample=None):
+        super().__init__(cfg, task, policy, ref_model, tokenizer, prompts, lag=lag, sample=sample)
+        self.buffer = buffer
+        self.replay_sampler = torch.Generator().manual_seed(cfg.seed)
         self.seeded = False               # --seed-buffer done (a resumed run has its buffer)
-        cfg = fresh.cfg                   # --seed-buffer's groups: every one by the reference
+        # --seed-buffer's groups: every one sampled by the reference
         self.by_reference = exploration.Exploration(cfg.search_temperature, 1.0,
                                                     cfg.search_temperature_frac)
-
-    def __getattr__(self, name):          # start, publish, poll, tokens, ..., close
-        return getattr(self.fresh, name)
 
     def fill(self, progress=None):
         """--seed-buffer N: N groups sampled by the frozen reference at --temperature (version
         REFERENCE), scored and stored, B at a time, before the first step."""
         cfg, stored = self.cfg, 0
         if not self.seeded:
-            pairs = self.fresh.task.demonstrations(self.fresh.train_prompts)
+            pairs = self.task.demonstrations(self.train_prompts)
             if pairs:
-                kept = store_demonstrations(self.buffer, self.fresh, pairs)
-                self.fresh.groups += math.ceil(len(pairs) / cfg.group_size)   # victim queries
+                kept = store_demonstrations(self.buffer, self, pairs)
+                self.groups += math.ceil(len(pairs) / cfg.group_size)   # victim queries
                 print(f"tba: seeded the replay buffer with {len(pairs)} demonstrations, scored "
                       f"({kept} kept: the buffer holds {len(self.buffer)} completions)", flush=True)
         while not self.seeded and stored < cfg.seed_buffer:
             n = min(cfg.prompts_per_step, cfg.seed_buffer - stored)
-            batch, _ = self.fresh.next_batch(0, n, sample=self.by_reference)
-            self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], batch.to("cpu"))
+            batch, _ = super().next_batch(0, n, sample=self.by_reference)
+            self.buffer.add_batch([p.ids for p in self.last_prompts], batch.to("cpu"))
             stored += n
         self.seeded = True
 
@@ -60,14 +59,14 @@ class ReplayGroups:
         cfg = self.cfg
         replayed = self.replay(version)                   # n groups of earlier steps, or None
         n_fresh = cfg.prompts_per_step - (0 if replayed is None else cfg.replay_groups)
-        searched, metrics = self.fresh.next_batch(version, n_fresh * cfg.search_factor)
-        self.buffer.add_batch([p.ids for p in self.fresh.last_prompts], searched.to("cpu"))
+        searched, metrics = super().next_batch(version, n_fresh * cfg.search_factor)
+        self.buffer.add_batch([p.ids for p in self.last_prompts], searched.to("cpu"))
         fresh = searched if cfg.search_factor == 1 else searched.groups(slice(0, n_fresh))
         fresh.recent_count = n_fresh                      # the fresh groups
         if replayed is not None:          # trained once fresh, outside the buffer's count
             replayed.draws = replayed.draws + 1           # [n, K] times trained
         batch = GroupBatch.cat([fresh] if replayed is None else [fresh, replayed],
-                               pad_id=self.fresh.tokenizer.pad_token_id)
+                               pad_id=self.tokenizer.pad_token_id)
         metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),
                        buffer_completions=len(self.buffer),
                        recent_frac_actual=n_fresh / cfg.prompts_per_step,
@@ -88,11 +87,11 @@ class ReplayGroups:
                                   max_reuse=cfg.max_reuse)
 
     def state_dict(self):
-        return {**self.fresh.state_dict(), "buffer": self.buffer.state_dict(),
+        return {**super().state_dict(), "buffer": self.buffer.state_dict(),
                 "sampler": self.replay_sampler.get_state(), "seeded": self.seeded}
 
     def load_state_dict(self, state, step):
-        self.fresh.load_state_dict(state, step)
+        super().load_state_dict(state, step)
         if "buffer" in state:
             self.buffer.load_state_dict(state["buffer"], max_version=step)
             self.replay_sampler.set_state(state["sampler"])

@@ -11,7 +11,7 @@ from options import exploration
 from llm import logprobs
 from llm import sampling
 import searcher
-from engines import sources
+from assembly.load import make_source
 import tasks
 from options import rloo
 import tba
@@ -265,10 +265,10 @@ def synchronous_source(cfg):
     """The group source of a --searchers 0 run of these settings, on the CPU. -> (source, policy)"""
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
-    source = sources.make_source(cfg, task=task, policy=policy,
-                                 ref_model=copy.deepcopy(policy).requires_grad_(False),
-                                 tokenizer=tokenizer, prompts=task.prompts("train", tokenizer),
-                                 layout=None, interrupt=lambda: None)
+    source = make_source(cfg, task=task, policy=policy,
+                         ref_model=copy.deepcopy(policy).requires_grad_(False),
+                         tokenizer=tokenizer, prompts=task.prompts("train", tokenizer),
+                         layout=None, interrupt=lambda: None)
     return source, policy
 
 

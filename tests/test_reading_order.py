@@ -1,8 +1,7 @@
 """What one step really runs: traced in process, the searcher's sampling and the trainer's step.
 
-The options plug into the core where the run is assembled (assembly/load.py,
-engines/sources.make_source): the core files import none of them, and with every option off no
-line of options/ runs during a step.
+The options plug into the core where the run is assembled (assembly/load.py): the core files
+import none of them, and with every option off no line of options/ runs during a step.
 """
 import ast
 import queue
