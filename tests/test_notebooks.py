@@ -99,6 +99,28 @@ def tb_loss_log_z_with_grad(logp, ref_logp, reward, beta):
     return (log_z[:, None] + delta).pow(2).mean(), log_z
 
 
+def tb_loss_summed(over):
+    """Wrong: a sum where the mean belongs, over K (dim 1), over B (dim 0) or over both (None)."""
+    def loss(logp, ref_logp, reward, beta):
+        delta = logp - ref_logp - reward / beta                      # [B, K]
+        log_z = -delta.mean(1).detach()                              # [B]
+        squares = (log_z[:, None] + delta).pow(2)                    # [B, K]
+        if over is None:
+            return squares.sum(), log_z
+        return (squares.sum(over).mean() if over == 1 else squares.mean(1).sum()), log_z
+    return loss
+
+
+def tb_loss_delta(sign, divide):
+    """Wrong: δ = log p_θ − log p_ref + sign·r/β (sign +1: the sign of r/β), or r not divided by
+    β (divide False)."""
+    def loss(logp, ref_logp, reward, beta):
+        delta = logp - ref_logp + sign * reward / (beta if divide else 1.0)      # [B, K]
+        log_z = -delta.mean(1).detach()                                          # [B]
+        return (log_z[:, None] + delta).pow(2).mean(), log_z
+    return loss
+
+
 def unshifted(group_reward, available, priority_temp):
     """Wrong: exp(r / τ) without the shift overflows at a small τ."""
     return torch.where(available, (group_reward / priority_temp).exp(), 0.0)
@@ -135,7 +157,12 @@ def test_grader_fails_stubs(name):
 @pytest.mark.parametrize("wrong, named", [
     (tb_loss_one_log_z, "one log Ẑ for the whole batch"),
     (tb_loss_unbiased, "K/(K−1)"),
-    (tb_loss_log_z_with_grad, "return it detached")])
+    (tb_loss_log_z_with_grad, "return it detached"),
+    (tb_loss_summed(1), "sums over the K = 3 completions of each prompt"),
+    (tb_loss_summed(0), "sums over the B = 2 prompts"),
+    (tb_loss_summed(None), "sums over all B·K = 6 squared residuals"),
+    (tb_loss_delta(+1, True), "the sign of r/β"),
+    (tb_loss_delta(-1, False), "the reward is not divided by β")])
 def test_the_tb_loss_grader_names_the_common_mistakes(wrong, named, capsys):
     """Each common mistake is named in words, with the mismatch that shows it, and no error from
     the project's own code reaches the student."""
@@ -144,6 +171,27 @@ def test_the_tb_loss_grader_names_the_common_mistakes(wrong, named, capsys):
     assert passed < total and named in out, out
     assert "zero-dimensional" not in out and "could not use" not in out, out
     assert grader.tb_loss_mistakes(trainer.tb_loss) == ([], True)
+
+
+def test_the_priority_grader_names_weights_that_overflow_or_underflow(capsys):
+    def all_zero(group_reward, available, priority_temp):
+        """Wrong: shifted by the largest logit of all, available or not, then underflowing."""
+        logits = group_reward / priority_temp
+        return torch.where(available, (logits - logits.max() - 1e4).exp(), 0.0)
+    for wrong, named in ((unshifted, "your weights are not finite"),
+                         (all_zero, "your weights are all 0 on the available groups")):
+        passed, total = grader.grade_priority(wrong)
+        out = capsys.readouterr().out
+        assert passed < total and named in out, out
+        assert "check the shapes and types" not in out, out
+
+
+def test_the_extractor_grader_explains_each_failing_family(capsys):
+    """Every case of the project's table has its family's words, and a failing case shows them."""
+    assert all(grader.family_of(text) for text, _ in grader.extract_answer_cases())
+    grader.grade_extractor(last_integer)
+    out = capsys.readouterr().out
+    assert "a thousands separator, dropped" in out and "a Unicode minus" in out, out
 
 
 def test_extractor_grader_uses_the_project_table():

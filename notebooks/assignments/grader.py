@@ -113,6 +113,36 @@ def two_groups(requires_grad=True):
     return logp, ref_logp, reward, 0.5
 
 
+def log_z_mistake(log_z):
+    """Words for a wrong log Ẑ [B] of `two_groups`: which slip in δ = log p_θ − log p_ref − r/β
+    gives it, if one does."""
+    logp, ref_logp, reward, beta = two_groups(requires_grad=False)
+    slips = {"the sign of r/β: δ subtracts the reward term, δ = log p_θ − log p_ref − r/β, "
+             "so log Ẑ = −mean_k δ_k adds it back": (logp - ref_logp + reward / beta),
+             "the reward is not divided by β: the target is p_ref·exp(r/β), so δ takes r/β, "
+             "not r": (logp - ref_logp - reward),
+             "the sign of log Ẑ: it is minus the mean of δ over the K completions "
+             "(log Ẑ + δ_k is then 0 on average)": -(logp - ref_logp - reward / beta)}
+    for words, delta in slips.items():
+        if torch.allclose(log_z, -delta.mean(1), atol=1e-4):
+            return words
+    return "log Ẑ(x) = −mean_k δ_k"
+
+
+def summed_where_averaged(ratio, b=2, k=3):
+    """Words for a loss `ratio` times the right one on `two_groups` (B = 2, K = 3), if a sum
+    where a mean belongs explains it."""
+    sums = {k: f"it sums over the K = {k} completions of each prompt where it should average "
+               "(.mean(1), not .sum(1))",
+            b: f"it sums over the B = {b} prompts where it should average (.mean(0), not .sum(0))",
+            b * k: f"it sums over all B·K = {b * k} squared residuals where it should average "
+                   "(.mean(), not .sum())"}
+    for times, words in sums.items():
+        if abs(ratio - times) < 1e-3:
+            return f" ({times} times too large): {words}"
+    return ""
+
+
 def tb_loss_mistakes(fn):
     """The common mistakes, in words, each with the mismatch that shows it, found from what `fn`
     returns on `two_groups`. -> (problems [str], empty: none of them; usable: whether the
@@ -140,7 +170,7 @@ def tb_loss_mistakes(fn):
         problems.append(f"log_z has shape {list(log_z.shape)}; it should be [B] = [2], one "
                         "estimate per prompt")
     elif not torch.allclose(log_z.detach().float(), want_log_z, atol=1e-4):
-        problems.append(f"log_z is {shown}, want {want}: log Ẑ(x) = −mean_k δ_k")
+        problems.append(f"log_z is {shown}, want {want}: " + log_z_mistake(log_z.detach().float()))
     if loss.dim() != 0:
         problems.append(f"the loss has shape {list(loss.shape)}; it should be a scalar, the mean "
                         "over all B·K squared residuals")
@@ -153,7 +183,8 @@ def tb_loss_mistakes(fn):
                             "is the mean of the squared residuals: divide by K (.pow(2).mean(), or "
                             "torch.var(..., unbiased=False))")
         else:
-            problems.append(f"the loss is {loss.item():.4f}, want {want_loss.item():.4f}")
+            problems.append(f"the loss is {loss.item():.4f}, want {want_loss.item():.4f}"
+                            + summed_where_averaged(ratio))
     if log_z.requires_grad:
         problems.append("the log_z you return carries gradient: it is an estimate, not a "
                         "parameter, so return it detached (log_z.detach()); the loss's gradient is "
@@ -241,10 +272,26 @@ def grade_priority(fn):
     all-zero underflow. In four of the checks the project's ReplayBuffer.sample draws with it."""
     tests = project_tests("test_buffer")
 
+    def checked(group_reward, available, priority_temp):
+        """`fn` as the buffer calls it, its weights looked at first: weights that are not finite,
+        or all 0, are named as such, not as whatever the buffer's draw then does with them."""
+        weights = fn(group_reward, available, priority_temp)
+        if torch.is_tensor(weights) and weights.shape == available.shape:
+            if not torch.isfinite(weights).all():
+                raise AssertionError(f"your weights are not finite at τ = {priority_temp} "
+                                     f"(e.g. {weights[~torch.isfinite(weights)][0].item()}): "
+                                     "exp(r/τ) overflowed; subtract the largest available "
+                                     "logit before exp")
+            if available.any() and not (weights[available] > 0).any():
+                raise AssertionError(f"your weights are all 0 on the available groups at "
+                                     f"τ = {priority_temp}: exp(r/τ) underflowed; shift by the "
+                                     "largest *available* logit, so that it weighs exactly 1")
+        return weights
+
     def in_the_buffer(check):
         """`check`, run while the project's buffer draws with `fn`."""
         def swapped_check():
-            with swapped(draws, "priority_weights", fn):      # what ReplayBuffer.sample calls
+            with swapped(draws, "priority_weights", checked):  # what ReplayBuffer.sample calls
                 check()
         return swapped_check
 
@@ -318,12 +365,48 @@ def extract_answer_cases():
     return mark.args[1]
 
 
+# What each case of the table tests, in words: printed beside a failing one.
+FAMILIES = [
+    ("the marker", ["#### 18", "She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18",
+                    "The answer is 42.", "the ANSWER is 42", "The final answer is: 7 apples"],
+     "the answer follows GSM8K's '####' or 'the answer is' (any case)"),
+    ("the last number", ["So 3 + 4 = 7", "Step 1: 2 + 2 = 4."],
+     "without a marker the answer is the last number, not the first"),
+    ("after the answer", ["#### 18\nThe next question: 99 balloons",
+                          "The answer is 80 - 20 = 60. Then 7 more",
+                          "The answer is 8. The answer is 9.", "####\n12"],
+     "the last marker wins, the answer is the last number of its sentence, and what follows it "
+     "does not count (a marker with nothing after it: the last number)"),
+    ("thousands", ["It costs $1,000.50 in total.", "#### 1,234,567", "1,0000"],
+     "a comma between groups of three digits is a thousands separator, dropped; '1,0000' is no "
+     "such group"),
+    ("normal form", ["The answer is $10.00.", "That is 10.0", "0.5 of the cake", "Half is .5"],
+     "the number as a normal string: no trailing zeros after the point (10.00 -> 10), a leading "
+     "0 before it (.5 -> 0.5)"),
+    ("units", ["About 50% of them", "The answer is 12 km.", "He walks 5km"],
+     "a trailing unit or sign ($, %, km) is not part of the number"),
+    ("negative numbers", ["The temperature is -5 degrees.", "#### -3", "He owes (-12) dollars",
+                          "x = −4"],
+     "a minus sign before a number is kept, a Unicode minus (−) too"),
+    ("not a minus", ["Pages 3-4", "5 -3"],
+     "a hyphen between two numbers is a range or a subtraction: the second number is positive"),
+    ("no number", ["There are no numbers here.", "", "abc123 and 7"],
+     "no number gives None, and digits inside a word are not a number"),
+]
+
+
+def family_of(text):
+    """The words of the FAMILIES row that holds `text` ('' if none does)."""
+    return next((words for _, texts, words in FAMILIES if text in texts), "")
+
+
 def grade_extractor(fn):
     """fn(text) -> the final answer as a normalised number string, or None."""
     def case(text, answer):
         def check():
             got = fn(text)
-            assert got == answer, f"expected {answer!r}, got {got!r}"
+            why = family_of(text)
+            assert got == answer, f"expected {answer!r}, got {got!r}" + (f" ({why})" if why else "")
         return check
 
     return run_checks("extract_answer", [(f"{text!r} -> {answer!r}", case(text, answer))
