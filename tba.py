@@ -33,7 +33,7 @@ def train(cfg, setup):
     source, policy = setup.source, setup.policy
     with Bookkeeping(cfg, setup) as books:
         source.start(policy, version=books.first_step)   # searchers begin with these weights
-        books.fill(source)                               # first groups in the buffer
+        books.fill(source)                  # the first evaluation while the buffer fills
         for step in range(books.first_step + 1, cfg.steps + 1):
             setup.stop.check()
             version = step - 1                   # updates the policy has had before this step

@@ -27,7 +27,7 @@ from plumbing import run, schedules
 
 @dataclass
 class Setup:
-    """What `load` prepares for `train`."""
+    """What `load` prepares for `tba.train`."""
     layout: placement.Layout          # the trainer's device, the searchers', threads per process
     task: tasks.Task
     policy: torch.nn.Module
