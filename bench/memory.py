@@ -107,14 +107,14 @@ def measure_step(model, option, sequences, prompt_len, response_len, steps):
     optimizer.zero_grad = functools.partial(type(optimizer).zero_grad, optimizer, set_to_none=False)
     extra = {} if option == OPTIONS["float32"] else dict(       # the old train_step has none
         micro_completions=micro_completions, dtype=getattr(torch, dtype))
-    trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, loss="tb", temperature=1.0,
+    trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, temperature=1.0,
                        micro_groups=None, max_grad_norm=1.0, **extra)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     state = rss()
     reset_peak_rss()
     start = time.time()
     for _ in range(steps):
-        trainer.train_step(model, optimizer, scheduler, batch, beta=0.05, loss="tb",
+        trainer.train_step(model, optimizer, scheduler, batch, beta=0.05,
                            temperature=1.0, micro_groups=None, max_grad_norm=1.0, **extra)
     return (time.time() - start) / steps, peak_rss() - state
 

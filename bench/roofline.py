@@ -135,7 +135,7 @@ def main():
                                           cfg.max_new_tokens, cfg.temperature)
         times["search"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        trainer.train_step(policy, optimizer, scheduler, batch, beta=cfg.beta, loss="tb",
+        trainer.train_step(policy, optimizer, scheduler, batch, beta=cfg.beta,
                            temperature=cfg.temperature, micro_groups=cfg.micro_groups,
                            max_grad_norm=cfg.max_grad_norm)
         times["train"].append(time.perf_counter() - start - optimiser_s[-1])

@@ -124,7 +124,7 @@ class Task:
         return []
 
     def check_data(self):
-        """Read both splits now: `tba.load` calls this before any model loads, so that a missing
+        """Read both splits now: `assembly.load.load` calls this before any model loads, so that a missing
         or broken data file is named in a second, not after the minutes a model takes."""
         for split in ("train", "test"):
             self.examples(split)
