@@ -10,6 +10,7 @@ that their diffs stay readable; each executed copy records the hash of its sourc
 measured, into the source and the copy. `make notebooks` runs this.
 """
 import hashlib
+import json
 import os
 import platform
 import re
@@ -50,17 +51,70 @@ def machine():
     return f"{os.cpu_count()} CPU cores, {model}"
 
 
+# Run in the kernel before the notebook's first cell, and taken out of the copy afterwards: after
+# every cell, each plot the cell drew is checked for what a reader needs without the code (axes
+# named in words, a title), and what is missing is written to a file. It runs before matplotlib's
+# inline backend shows and closes the cell's figures, because it is registered first.
+FIGURE_CHECK = """
+import json as _json
+def _tba_check_figures(path={path!r}):
+    import sys
+    if "matplotlib.pyplot" not in sys.modules:
+        return
+    plt = sys.modules["matplotlib.pyplot"]
+    missing = []
+    for number in plt.get_fignums():
+        figure = plt.figure(number)
+        suptitle = figure._suptitle.get_text() if figure._suptitle else ""
+        for index, ax in enumerate(figure.axes):
+            if not ax.get_visible() or not ax.has_data():
+                continue
+            # a twin (ax.twinx()) shares its panel's x axis and title, and has its own y axis
+            panel = [a for a in figure.axes if a.bbox.bounds == ax.bbox.bounds]
+            if not any(a.get_xlabel() for a in panel):
+                missing.append(f"panel {{index + 1}}: no x-axis label")
+            if not ax.get_ylabel():
+                missing.append(f"panel {{index + 1}}: no y-axis label")
+            if not suptitle and not any(a.get_title() for a in panel):
+                missing.append(f"panel {{index + 1}}: no title")
+    if missing:
+        with open(path, "a") as out:
+            out.write(_json.dumps({{"cell": get_ipython().execution_count, "missing": missing}}))
+            out.write("\\n")
+get_ipython().events.register("post_execute", _tba_check_figures)
+"""
+
+
 def execute(source):
-    """Run a notebook top to bottom in its own folder. -> the notebook with its outputs and the
-    seconds it took (raises nbclient's CellExecutionError, with the cell and its traceback, if a
+    """Run a notebook top to bottom in its own folder. -> the notebook with its outputs, the
+    seconds it took, and the plots that lack an axis label or a title, as "cell N: panel i: no
+    x-axis label" (raises nbclient's CellExecutionError, with the cell and its traceback, if a
     cell fails)"""
+    import tempfile
+
     import nbclient
     import nbformat
     nb = nbformat.read(source, as_version=4)
-    start = time.time()
-    nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(source.parent)}}).execute()
-    return nb, time.time() - start
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "figures.jsonl"
+        nb.cells.insert(0, nbformat.v4.new_code_cell(FIGURE_CHECK.format(path=str(report))))
+        start = time.time()
+        nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
+                                resources={"metadata": {"path": str(source.parent)}}).execute()
+        seconds = time.time() - start
+        nb.cells.pop(0)
+        rows = [json.loads(line) for line in report.read_text().splitlines()] \
+            if report.is_file() else []
+    # IPython has counted the cell by the time the check runs, and the check cell was cell 1:
+    # the number the reader sees is two less
+    unreadable = [f"cell {row['cell'] - 2}: {what}" for row in rows for what in row["missing"]]
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.execution_count:
+            cell.execution_count -= 1
+            for output in cell.outputs:
+                if "execution_count" in output:
+                    output.execution_count -= 1
+    return nb, seconds, unreadable
 
 
 def with_run_time(nb, seconds):
@@ -97,7 +151,12 @@ def main(argv):
         return 2
     for source in chosen:
         print(f"{source.relative_to(HERE.parent)} ...", flush=True)
-        nb, seconds = execute(source)
+        nb, seconds, unreadable = execute(source)
+        if unreadable:
+            print(f"error: {source.name} draws plots a reader cannot read without the code: "
+                  f"{'; '.join(unreadable)}: name each axis (ax.set(xlabel=..., ylabel=...)) "
+                  "and give each panel a title", file=sys.stderr)
+            return 1
         print(f"  -> {write(source, nb, seconds).relative_to(HERE.parent)} ({seconds:.0f} s)",
               flush=True)
     return 0

@@ -57,7 +57,27 @@ def test_notebook_runs(path):
     for missing, reason in NEEDS.get(path.name, []):
         if missing:
             pytest.skip(reason)
-    execute.execute(path)     # raises CellExecutionError with the cell and its traceback
+    _, _, unreadable = execute.execute(path)   # raises CellExecutionError if a cell fails
+    assert not unreadable, f"{path.name}: plots without axis labels or a title: {unreadable}"
+
+
+def test_the_figure_check_names_each_missing_label_and_title(tmp_path):
+    """The check behind test_notebook_runs: a panel's missing axis label or title is named, with
+    its cell as the reader numbers it; a twin axis shares its panel's x label and title."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import matplotlib.pyplot as plt"),
+                nbformat.v4.new_code_cell(
+                    "fig, (a, b) = plt.subplots(1, 2)\n"
+                    "a.plot([1, 2]); a.set(xlabel='x', ylabel='y', title='t')\n"
+                    "b.plot([1, 2]); b.set(xlabel='x')\n"
+                    "b.twinx().plot([2, 1])"),
+                nbformat.v4.new_code_cell(
+                    "plt.plot([1, 2]); plt.xlabel('x'); plt.ylabel('y'); plt.title('t')")]
+    nbformat.write(nb, tmp_path / "figures.ipynb")
+    ran, _, unreadable = execute.execute(tmp_path / "figures.ipynb")
+    assert unreadable == ["cell 2: panel 2: no y-axis label", "cell 2: panel 2: no title",
+                          "cell 2: panel 3: no y-axis label", "cell 2: panel 3: no title"]
+    assert [cell.execution_count for cell in ran.cells] == [1, 2, 3]    # the check cell is gone
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -71,6 +91,37 @@ def test_the_executed_copy_is_made_from_the_current_source(path):
         nbformat.read(path, as_version=4)), \
         f"{copy.relative_to(REPO)} was made from an older {path.name}: run make notebooks"
     assert all(cell.execution_count for cell in made.cells if cell.cell_type == "code")
+
+
+TUTORIALS = [p for p in NOTEBOOKS if p.parent.name == "notebooks"]
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+def test_every_section_has_two_quick_checks_after_what_they_test(path):
+    """A tutorial's numbered sections (## 1. ...) each hold at least two "Check yourself."
+    questions with an answer to unfold, none of them before the section's first code cell."""
+    sections = {}                               # "## 2. ..." -> [("code" | "check"), ...]
+    title = None
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code":
+            if title:
+                sections[title].append("code")
+            continue
+        for block in re.split(r"(?m)^(?=## )", cell.source):
+            if block.startswith("## "):
+                title = block.splitlines()[0] if re.match(r"## \d+\.", block) else None
+                if title:
+                    sections[title] = []
+            if title and "**Check yourself.**" in block:
+                assert block.count("<details>") == block.count("**Check yourself.**"), \
+                    f"{path.name}, {title}: a quick check without an answer to unfold"
+                sections[title] += ["check"] * block.count("**Check yourself.**")
+    assert sections, f"{path.name} has no numbered sections"
+    for title, cells in sections.items():
+        assert cells.count("check") >= 2, f"{path.name}, {title}: fewer than two quick checks"
+        if "code" in cells:
+            assert cells.index("code") < cells.index("check"), \
+                f"{path.name}, {title}: a quick check comes before the code it asks about"
 
 
 # --- the graders: the reference passes, a stub fails ---------------------------------------------
