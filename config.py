@@ -12,14 +12,8 @@ written: a bad value is one `error:` line (exit 2) that says how to fix it.
 import argparse
 import dataclasses
 import functools
-import importlib.util
-import json
-import math
-import os
-import re
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +21,10 @@ import torch
 
 import tasks
 from devices import placement
-from llm import models
-from plumbing import checkpoint, loggers
-from options import losses
+from llm import models, precision
+from plumbing import checkpoint, flags, loggers
+from plumbing import run as run_files
+from options import exploration, learned_log_z, lora, losses, policy_lag, replay_groups, rloo
 from plumbing.flags import (BETA, LEARNING_RATE, POSITIVE, TASK_DEFAULT, at_least, flag,
                             one_of, within)
 
@@ -40,14 +35,6 @@ RESUME_OVERRIDES = ("steps", "eval_every", "eval_n", "eval_batch_size", "eval_sa
                     "save_every", "keep_checkpoints", "quiet", "report_to", "searchers", "ray",
                     "device", "micro_groups", "micro_completions", "activation_checkpointing",
                     "dtype")
-
-
-def valid_loss(value):
-    """--loss: a name of options/losses.py's LOSSES, tb-trust with an optional :λ."""
-    try:
-        return losses.parse(value)[0] in losses.LOSSES
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -66,37 +53,10 @@ class Config:
     max_new_tokens: int = flag(None, f"longest completion, in tokens {TASK_DEFAULT}", at_least(1))
     temperature: float = flag(None, "sampling temperature, also used to score log-probs "
                                     f"{TASK_DEFAULT}", POSITIVE)
-    # exploration: how the searchers sample (the trainer always scores at --temperature)
-    search_temperature: list = flag(None, "LOW HIGH: sample each group at a temperature drawn "
-                                          "uniformly from [LOW, HIGH] (GFlowNet red-teaming: 0.5 "
-                                          "2.0) instead of --temperature; off by default",
-                                    ((lambda v: 0 < v[0] <= v[1]), "two numbers 0 < LOW <= HIGH"))
-    reference_frac: float = flag(0.0, "share of groups sampled by the frozen reference model "
-                                      "instead of the policy", within(0, 1))
-    search_temperature_frac: float = flag(1.0, "with --search-temperature: the share of groups "
-                                               "sampled at a drawn temperature, the others at "
-                                               "--temperature (GFlowNet red-teaming: 0.5)",
-                                          ((lambda v: 0 < v <= 1), "in (0, 1]"))
     # the objective
-    loss: str = flag("tb", "tb (trajectory balance, valid off-policy); rloo (REINFORCE "
-                           "leave-one-out, the on-policy baseline: needs --searchers 0, or "
-                           "--rloo-off-policy); rloo-is (RLOO weighted by the truncated "
-                           "importance ratio min(π/μ, --is-clip) of each completion: the "
-                           "off-policy baseline asynchronous RL trainers ship); vcpo "
-                           "(rloo-is with each step's learning rate times √(ESS/N) of the "
-                           "weights π/μ, VCPO, arXiv 2602.17616); for stale data, TB that knows "
-                           "how far its sampler moved (options/stale_tb.py): tb-trust:λ (a "
-                           "residual with λ·(log π − log μ): a trust region towards the sampler; "
-                           "tb-trust is λ 1), tb-topr (the squared residuals of completions TB "
-                           "pushes down weighted by min(1, π/μ)), tb-is (every squared "
-                           "residual weighted by min(1, π/μ)), tb-ess (TB with VCPO's "
-                           "step), tb-topr-ess (tb-topr with VCPO's step); each is TB at lag 0",
-                     (lambda v: valid_loss(v),
+    loss: str = flag("tb", "; ".join(f"{name} ({what})" for name, what in losses.HELP.items()),
+                     (losses.valid,
                       "one of " + ", ".join(losses.LOSSES) + " (tb-trust:λ with λ > 0)"))
-    rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
-                                        "or explorative groups, although it is an on-policy loss")
-    is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "
-                               "completion (slime and verl use 2, TBA-prime 8)", POSITIVE)
     beta: float = flag(None, f"β at step 0: the target is p_ref·exp(r/β) {TASK_DEFAULT}", BETA)
     beta_final: float = flag(None, f"β after annealing {TASK_DEFAULT}", BETA)
     beta_steps: int = flag(None, f"steps over which β goes linearly to beta_final {TASK_DEFAULT}",
@@ -107,14 +67,6 @@ class Config:
                                    "first tenth of the run)", at_least(1))
     reward_temp_steps: int = flag(0, "steps over which --reward-temp goes linearly to 1 (0: "
                                      "held at --reward-temp)", at_least(0))
-    log_z: str = flag("group", "--loss tb: group (log Ẑ of a prompt estimated from its K "
-                               "completions in the batch, VarGrad) or learned (a log Z per "
-                               "prompt trained with the policy by gradient descent at "
-                               "--log-z-lr; GFlowNet red-teaming learns it)",
-                      one_of("group", "learned"))
-    log_z_lr: float = flag(1.0, "--log-z learned: its learning rate (plain gradient descent: "
-                                "each step moves a prompt's log Z 2·lr/B of the way to its "
-                                "group's estimate; B/2: all the way)", POSITIVE)
     # the optimiser
     lr: float = flag(None, f"peak learning rate (AdamW) {TASK_DEFAULT}", LEARNING_RATE)
     warmup_steps: int = flag(None, f"linear warm-up steps of the WSD schedule {TASK_DEFAULT}",
@@ -129,13 +81,6 @@ class Config:
                         within(0, 1))
     weight_decay: float = flag(0.0, "AdamW's decoupled weight decay (torch's default 0.01 is "
                                     "GFlowNet red-teaming's; 0: none)", within(0, 1))
-    lora_rank: int = flag(0, "train a LoRA adapter of this rank (peft) on the policy's attention "
-                             "projections instead of every weight; the reference is the same "
-                             "model with the adapter off, and only the adapter travels to the "
-                             "searchers (0: full fine-tuning; GFlowNet red-teaming: 32)",
-                          at_least(0))
-    lora_alpha: float = flag(16.0, "--lora-rank: the adapter's scale α (its update is "
-                                   "α/rank · B·A)", POSITIVE)
     micro_groups: int = flag(None, "groups per forward/backward pass, gradients accumulated; "
                                    "bounds the trainer's memory (0: all at once, on a GPU as "
                                    "many as its memory holds: devices/memory.py) "
@@ -186,23 +131,6 @@ class Config:
                                        "prompt's share) is full: oldest, or lowest reward "
                                        "(GFlowNet red-teaming: the best stay)",
                              one_of("oldest", "lowest"))
-    lag: int = flag(0, "--searchers 0 only: sample each step's groups with the policy as it was "
-                       "exactly this many updates earlier (the first steps: with the initial "
-                       "weights), to measure staleness alone; keeps the last L + 1 versions "
-                       "of the weights (and those each kept checkpoint needs) as files in RUN/lag/ (SmolLM2-135M: 0.54 GB each) and "
-                       "one more copy in memory (0: on-policy)", at_least(0))
-    replay_groups: int = flag(0, "--searchers 0 only: of each step's B groups, this many are "
-                                 "drawn from a replay buffer of the completions earlier steps "
-                                 "sampled (by --priority-temp; stored as --buffer-evict, "
-                                 "--dedup, --merge-cosine say), the others sampled fresh, as "
-                                 "GFlowNet red-teaming trains (0: on-policy only)", at_least(0))
-    search_factor: int = flag(1, "--replay-groups only: each step samples this many times the "
-                                 "fresh groups it trains on, as that many searchers would; the "
-                                 "surplus goes to the replay buffer only (1: none)", at_least(1))
-    seed_buffer: int = flag(0, "--replay-groups only: before the first step, this many groups "
-                               "sampled by the frozen reference, scored and stored in the replay "
-                               "buffer (GFlowNet red-teaming seeds its buffer; counted as "
-                               "searched groups)", at_least(0))
     max_staleness: int = flag(-1, "train only on groups at most this many steps behind the "
                                   "trainer, waiting for fresher ones if needed (-1: no bound)",
                               at_least(-1))
@@ -242,13 +170,20 @@ class Config:
 
 
 
+# The options, each with its own settings (`Settings`) and the rules that tie them to the others
+# (`check(cfg)`), in the order --help lists them.
+OPTIONS = (exploration, rloo, learned_log_z, lora, policy_lag, replay_groups)
+
+
 @functools.cache
 def settings_class(task):
-    """The dataclass of a run of `task`: Config's fields, then the task's own (`Task.Settings`).
-    Its instances pickle as their values, so that a spawned searcher rebuilds the class."""
+    """The dataclass of a run of `task`: Config's fields, each option's (`OPTIONS`), then the
+    task's own (`Task.Settings`). Its instances pickle as their values, so that a spawned
+    searcher rebuilds the class."""
     own = tasks.task_class(task).Settings
     return dataclasses.make_dataclass(
-        f"{own.__name__}AndConfig", [], bases=(own, Config),
+        f"{own.__name__}AndConfig", [],
+        bases=(own, *reversed([option.Settings for option in OPTIONS]), Config),
         namespace={"__reduce__": lambda self: (rebuilt, (dataclasses.asdict(self),)),
                    "__module__": __name__})
 
@@ -264,6 +199,19 @@ def settings(**values):
     cls = settings_class(values.get("task", "toy"))
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def option_fields():
+    """Every option's settings: -> {name: (field, the option's Settings class)}, in the order of
+    OPTIONS."""
+    return {f.name: (f, option.Settings) for option in OPTIONS
+            for f in dataclasses.fields(option.Settings)}
+
+
+def all_fields(own_task=None):
+    """Every setting a run of some task may have: -> {name: field}"""
+    return {**{f.name: f for f in dataclasses.fields(Config)},
+            **{name: f for name, (f, _) in {**option_fields(), **task_fields(own_task)}.items()}}
 
 
 def task_fields(own_task=None):
@@ -305,7 +253,7 @@ def build_parser(with_defaults=True, own_task=None):
     for f in dataclasses.fields(Config):
         add_flag(parser, f, with_defaults)
     groups = {}
-    for f, cls in task_fields(own_task).values():
+    for f, cls in [*option_fields().values(), *task_fields(own_task).values()]:
         if cls not in groups:
             groups[cls] = parser.add_argument_group(
                 "settings of " + cls.__doc__.strip().rstrip("."))
@@ -349,8 +297,8 @@ def parse_args(argv=None):
     actions: {"config": the recipe's path or None, "dry_run": bool, "recipe": the recipe's
     values that the command line left in place ({} without one)}."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    flags = [a.split("=")[0] for a in argv if a.startswith("--") and len(a) > 2]
-    twice = sorted({a for a in flags if flags.count(a) > 1})
+    named = [a.split("=")[0] for a in argv if a.startswith("--") and len(a) > 2]
+    twice = sorted({a for a in named if named.count(a) > 1})
     if twice:                        # argparse would keep the last silently; a recipe refuses
         raise ValueError(f"{twice[0]} is given twice: keep one")
     task = task_named_in(argv)                    # your own module:Class brings its flags
@@ -360,7 +308,7 @@ def parse_args(argv=None):
     given -= set(ACTIONS)
     actions["recipe"], actions["recipe_steps"] = {}, None
     if actions["config"]:
-        recipe = read_recipe(actions["config"])
+        recipe = flags.read_recipe(actions["config"], all_fields())
         actions["recipe"] = {name: value for name, value in recipe.items() if name not in given}
         actions["recipe_steps"] = recipe.get("steps")     # what its schedule was planned for
         values.update(actions["recipe"])
@@ -376,63 +324,11 @@ def parse_args(argv=None):
     return settings(**values), given, actions
 
 
-KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-         list: "two numbers, [LOW, HIGH]"}
-
-
-def read_recipe(path):
-    """A recipe's flags, type- and range-checked. -> {field name: value}
-
-    Keys are flag names without the dashes (`group-size`, or `group_size`); values have the
-    flag's type (TOML integers are accepted where a float goes)."""
-    try:
-        recipe = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--config {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot read it ({e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config {path} is not valid TOML ({e})") from None
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    fields.update({name: f for name, (f, _) in task_fields().items()})
-    values = {}
-    for key, value in recipe.items():
-        name = key.replace("-", "_")
-        if name not in fields or name == "resume":
-            raise ValueError(f"{path}: unknown key {key!r}: keys are the flags of python tba.py "
-                             "--help without their dashes, e.g. group-size = 8")
-        if name in values:
-            raise ValueError(f"{path}: {key!r} is set twice (as {name.replace('_', '-')} and "
-                             f"{name}): keep one")
-        kind = fields[name].type
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        pair = isinstance(value, list) and len(value) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        if kind is list and pair:
-            value = [float(v) for v in value]
-        if type(value) is not kind or (kind is list and not pair):
-            raise ValueError(f"{path}: {key} = {value!r} must be {KINDS[kind]}")
-        valid = fields[name].metadata["valid"]
-        if valid and not passes(valid, value):
-            raise ValueError(f"{path}: {key} = {value!r} must be {valid[1]}")
-        values[name] = value
-    return values
-
-
-def passes(valid, value):
-    """A value against its field's rule: NaN and infinities never pass, whatever the rule."""
-    test, _ = valid
-    numbers = value if isinstance(value, list) else [value]
-    return (not any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
-            and bool(test(value)))
-
-
 def check_ranges(cfg):
     """Every field against its own rule."""
     for f in dataclasses.fields(cfg):
         value, valid = getattr(cfg, f.name), f.metadata["valid"]
-        if value is not None and valid is not None and not passes(valid, value):
+        if value is not None and valid is not None and not flags.passes(valid, value):
             raise ValueError(f"--{f.name.replace('_', '-')} must be {valid[1]} (got {value})")
 
 
@@ -470,35 +366,16 @@ def check_combination(cfg):
     """The rules that tie fields together."""
     task = tasks.task_class(cfg.task)
     task.check_settings(cfg)
+    for option in OPTIONS:
+        option.check(cfg)
     waits_for = max(cfg.min_buffer, cfg.prompts_per_step) * cfg.group_size
-    if cfg.replay_groups and cfg.searchers:
-        raise ValueError(f"--replay-groups {cfg.replay_groups} replays in the synchronous loop, "
-                         f"but --searchers {cfg.searchers} already trains from a replay buffer: "
-                         "set its share of fresh groups with --recent-frac, or use --searchers 0")
     if cfg.search_batch and not cfg.searchers:
         raise ValueError(f"--search-batch {cfg.search_batch} sizes a searcher process's calls, "
                          "and --searchers 0 samples each step's B groups itself: drop it, or "
                          "use --searchers 1 or more")
-    if cfg.replay_groups >= cfg.prompts_per_step:
-        raise ValueError(f"--replay-groups {cfg.replay_groups} leaves no fresh group of the "
-                         f"--prompts-per-step {cfg.prompts_per_step}: use fewer")
-    for name, on in (("--search-factor", cfg.search_factor > 1),
-                     ("--seed-buffer", cfg.seed_buffer)):
-        if on and not cfg.replay_groups:
-            raise ValueError(f"{name} fills the synchronous loop's replay buffer, and "
-                             "--replay-groups is 0: add --replay-groups N, or drop it")
-    if cfg.search_temperature_frac < 1 and not cfg.search_temperature:
-        raise ValueError(f"--search-temperature-frac {cfg.search_temperature_frac} is the share "
-                         "of groups sampled at a drawn temperature, and --search-temperature "
-                         "is not set: add --search-temperature LOW HIGH, or drop it")
-    for name, on in ((f"--reward-temp {cfg.reward_temp}", cfg.reward_temp != 1),
-                     (f"--log-z {cfg.log_z}", cfg.log_z != "group")):
-        if on and not cfg.loss.startswith("tb"):             # tb and its stale-data forms
-            raise ValueError(f"{name} shapes trajectory balance's target, and --loss is "
-                             f"{cfg.loss}: use --loss tb, or drop it")
-    if cfg.replay_groups and cfg.lag:
-        raise ValueError(f"--replay-groups with --lag {cfg.lag}: a lag sweep measures staleness "
-                         "without replay: drop one of them")
+    if cfg.reward_temp != 1 and not cfg.loss.startswith("tb"):     # tb and its stale forms
+        raise ValueError(f"--reward-temp {cfg.reward_temp} shapes trajectory balance's target, "
+                         f"and --loss is {cfg.loss}: use --loss tb, or drop it")
     buffered = cfg.searchers or cfg.replay_groups
     if buffered and cfg.buffer_capacity < waits_for:
         raise ValueError(f"--buffer-capacity {cfg.buffer_capacity} is below the {waits_for} "
@@ -511,17 +388,6 @@ def check_combination(cfg):
     if 0 <= cfg.max_staleness < cfg.sync_every - 1:
         raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
                          f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
-    # One rule for every way data gets off-policy: uncorrected RLOO only when asked for.
-    off_policy = [why for why, on in (
-        (f"--searchers {cfg.searchers} trains on stale, replayed groups", cfg.searchers),
-        (f"--lag {cfg.lag} trains on groups sampled {cfg.lag} updates earlier", cfg.lag),
-        (f"--replay-groups {cfg.replay_groups} trains on replayed groups", cfg.replay_groups),
-        ("--search-temperature/--reference-frac sample from other distributions",
-         cfg.search_temperature or cfg.reference_frac)) if on]
-    if cfg.loss == "rloo" and off_policy and not cfg.rloo_off_policy:
-        raise ValueError(f"--loss rloo is on-policy, but {off_policy[0]}: use --loss rloo-is "
-                         "(importance-corrected) or --loss tb, or add --rloo-off-policy to "
-                         "train it uncorrected anyway")
     for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
         if on and not buffered:
             raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "
@@ -533,41 +399,8 @@ def check_combination(cfg):
     if cfg.merge_cosine and not task.embeds_completions:
         raise ValueError(f"--merge-cosine needs a task that embeds its completions (redteam), "
                          f"not {cfg.task}: drop it")
-    if cfg.lag and cfg.searchers:
-        raise ValueError(f"--lag {cfg.lag} delays the synchronous loop's sampler, but --searchers "
-                         f"{cfg.searchers} samples in other processes, as stale as they come: "
-                         "use --searchers 0 with --lag, or drop --lag")
     loggers.check(cfg.report_to)
-    if cfg.ray:
-        if not cfg.searchers:
-            raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "
-                             "is 0: use --searchers 1 or more")
-        if cfg.ray not in ("local", "auto") and not re.fullmatch(r"(ray://)?[^:\s]+:\d+", cfg.ray):
-            raise ValueError(f"--ray {cfg.ray}: pass local, auto, HOST:PORT or ray://HOST:PORT")
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError(f"--ray {cfg.ray}: Ray is not installed: pip install 'ray==2.60.0' "
-                             "(or make install-ray)")
-    try:
-        device = torch.device(cfg.device)
-    except RuntimeError:
-        raise ValueError(f"--device {cfg.device!r} is not a torch device: use auto, cpu, cuda "
-                         "or cuda:N") from None
-    if device.type == "cuda":
-        gpus = placement.gpu_count()
-        if not gpus:
-            raise ValueError(f"--device {cfg.device}: this machine has no CUDA GPU that torch "
-                             "can use: use --device cpu")
-        if device.index is not None and device.index >= gpus:
-            raise ValueError(f"--device {cfg.device}: this machine has {gpus} GPU(s), "
-                             f"cuda:0 to cuda:{gpus - 1}")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {cfg.device}: tba runs on cpu or cuda devices")
-    cores = os.cpu_count() or 1
-    if device.type == "cpu" and cfg.ray in ("", "local") and cfg.searchers > cores:
-        raise ValueError(f"--searchers {cfg.searchers} needs at least one CPU core each but this "
-                         f"machine has {cores}: use --searchers {cores} or fewer")
-
-
+    placement.check(cfg)
 
 
 def planned_length(planned, recipe_steps, task_steps):
@@ -634,7 +467,7 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
         cfg.micro_groups = 0
     if cfg.dtype == "auto" and (gpu or measure):   # bfloat16 where it is native and faster
         cfg.dtype = ("bfloat16" if (gpu and torch.cuda.is_bf16_supported())
-                     or (cfg.device == "cpu" and models.cpu_bfloat16_is_faster()) else "float32")
+                     or (cfg.device == "cpu" and precision.cpu_bfloat16_is_faster()) else "float32")
     if cfg.searchers is None and cfg.lag:
         cfg.searchers = 0                 # a lag is the synchronous loop's
     elif cfg.searchers is None:
@@ -661,8 +494,10 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     planned["steps"] = planned_length(planned, recipe_steps, task_defaults.get("steps"))
     groups, title = {}, None
     own = {f.name for f in dataclasses.fields(tasks.task_class(cfg.task).Settings)}
+    options = {name: cls.__doc__.split(" (")[0] for name, (_, cls) in option_fields().items()}
     for f in dataclasses.fields(cfg):
-        title = f"{cfg.task}'s own" if f.name in own else SECTIONS.get(f.name, title)
+        title = (f"{cfg.task}'s own" if f.name in own
+                 else options.get(f.name) or SECTIONS.get(f.name, title))
         value = getattr(cfg, f.name)
         if value != f.default and f.name not in ("task", "resume", "out"):
             mark = "*" if not cfg.resume and f.name not in given else ""
@@ -692,23 +527,8 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
 
 # ---------------------------------------------------------------- the settings of a resumed run
 def read_run_config(run):
-    """The settings stored in a run folder's config.json."""
-    path = Path(run) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
-                         "written by tba.py, such as runs/<name>")
-    try:
-        record = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
-    if isinstance(record, dict) and "config" not in record:
-        raise ValueError(f"{run} is not a run folder (its config.json is not a run's; a model "
-                         "folder?): pass a folder written by tba.py, such as runs/<name>")
-    try:
-        saved = record["config"]
-        assert isinstance(saved, dict)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    """The settings stored in a run folder's config.json, checked against this version's."""
+    saved = run_files.saved_settings(run)
     try:
         fields = {f.name for f in dataclasses.fields(settings_class(saved.get("task", "toy")))}
     except ValueError as e:              # e.g. your own task's module is not importable here

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from transformers.utils import logging as transformers_logging
 
-from llm import models
+from llm import models, precision
 from devices import placement
 from llm import sampling
 import tasks
@@ -53,7 +53,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
     """
     device = next(policy.parameters()).device
     ids = [p.ids for p in prompts]
-    with models.autocast(device, dtype), diverged_policy_named(version):
+    with precision.autocast(device, dtype), diverged_policy_named(version):
         if sample is None:                # every group by the policy at the trainer's temperature
             temperatures = torch.full((len(prompts),), float(temperature))           # [B]
             from_reference = torch.zeros(len(prompts), dtype=torch.bool)            # [B]
@@ -84,7 +84,7 @@ def sample_groups(policy, ref_model, tokenizer, task, prompts, group_size, max_n
         batch.embedding = torch.as_tensor(info["embeddings"]).view(len(prompts), group_size, -1)
     n_completions = len(prompts) * group_size
     size = reference_pass or n_completions
-    with models.autocast(device, dtype):
+    with precision.autocast(device, dtype):
         ref_logp = [group_logprobs(ref_model, batch, temperature, completions=slice(s, s + size))
                     for s in range(0, n_completions, size)]                     # [size] each
     batch.ref_logp = torch.cat(ref_logp).view(len(prompts), group_size)       # [B, K]

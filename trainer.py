@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from llm import models
+from llm import precision
 from batch import GroupBatch
 from devices.memory import groups_per_pass
 from plumbing.errors import NonFiniteError
@@ -115,7 +115,7 @@ def train_step(model, optimizer, scheduler, batch: GroupBatch, *, beta, loss=Non
     if learned_log_z is not None:
         learned_log_z.zero_grad(set_to_none=True)
     total_loss, logps, log_zs = 0.0, [], []
-    with models.autocast(device, dtype):           # forward passes only: see backward_micro_batch
+    with precision.autocast(device, dtype):           # forward passes only: see backward_micro_batch
         for start in range(0, b, micro_groups or b):
             part = slice(start, min(start + (micro_groups or b), b))
             part_loss, logp, log_z = backward_micro_batch(

@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "bench"))      # overhead.py, after the repo (bench/buffer.py)
 from llm import logprobs  # noqa: E402
 from llm import sampling  # noqa: E402
-from llm import models  # noqa: E402
+from llm import models, precision  # noqa: E402
 from devices import placement  # noqa: E402
 from devices.memory import groups_per_pass  # noqa: E402
 from plumbing import schedules  # noqa: E402
@@ -291,7 +291,7 @@ def timed_search(model, prompts, samples, max_new_tokens, steps, cache, device):
     tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": None})()
     synchronize(device)
     start = time.perf_counter()
-    with models.autocast(device, torch.bfloat16):
+    with precision.autocast(device, torch.bfloat16):
         _, _, _, response_len, _ = sampling.generate(
             model, tokenizer, prompts, num_samples=samples, max_new_tokens=max_new_tokens,
             with_logprobs=True, cache=cache, stop_event=overhead.StopAfter(steps))

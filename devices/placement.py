@@ -21,8 +21,10 @@ strict fake (tests/fake_cuda.py) to check all of this on a machine without a GPU
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -66,6 +68,39 @@ def indexed(device):
     """'cuda' -> 'cuda:0'; any other device as it is. -> str"""
     device = torch.device(device)
     return f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)
+
+
+def check(cfg):
+    """Where the run can go: --device names a device this machine has, --searchers fit its CPU
+    cores, --ray names a cluster and Ray is installed. Raises ValueError, the `error:` line."""
+    if cfg.ray:
+        if not cfg.searchers:
+            raise ValueError(f"--ray {cfg.ray} runs the searchers as Ray actors, but --searchers "
+                             "is 0: use --searchers 1 or more")
+        if cfg.ray not in ("local", "auto") and not re.fullmatch(r"(ray://)?[^:\s]+:\d+", cfg.ray):
+            raise ValueError(f"--ray {cfg.ray}: pass local, auto, HOST:PORT or ray://HOST:PORT")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"--ray {cfg.ray}: Ray is not installed: pip install 'ray==2.60.0' "
+                             "(or make install-ray)")
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        raise ValueError(f"--device {cfg.device!r} is not a torch device: use auto, cpu, cuda "
+                         "or cuda:N") from None
+    if device.type == "cuda":
+        gpus = gpu_count()
+        if not gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has no CUDA GPU that torch "
+                             "can use: use --device cpu")
+        if device.index is not None and device.index >= gpus:
+            raise ValueError(f"--device {cfg.device}: this machine has {gpus} GPU(s), "
+                             f"cuda:0 to cuda:{gpus - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {cfg.device}: tba runs on cpu or cuda devices")
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and cfg.ray in ("", "local") and cfg.searchers > cores:
+        raise ValueError(f"--searchers {cfg.searchers} needs at least one CPU core each but this "
+                         f"machine has {cores}: use --searchers {cores} or fewer")
 
 
 def plan_layout(cfg):

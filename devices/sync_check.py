@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from plumbing import checkpoint
-from llm import models
+from llm import precision
 
 
 @torch.no_grad()
@@ -25,7 +25,7 @@ def probe_logp(model, dtype=torch.float32, length=4):
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
     ids = (torch.arange(1, 2 * length + 1, device=device) * 7919) % vocab      # [2L]
-    with models.autocast(device, dtype):
+    with precision.autocast(device, dtype):
         logp = completion_logprobs(model, ids[None, :length], torch.ones_like(ids[None, :length]),
                                    ids[None, length:], torch.tensor([length], device=device),
                                    owner=torch.zeros(1, dtype=torch.long, device=device))

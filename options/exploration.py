@@ -13,6 +13,31 @@ from dataclasses import dataclass
 import torch
 
 from llm import sampling
+from plumbing.flags import flag, within
+
+
+@dataclass
+class Settings:
+    """exploration (options/exploration.py): how the searchers sample"""
+    search_temperature: list = flag(None, "LOW HIGH: sample each group at a temperature drawn "
+                                          "uniformly from [LOW, HIGH] (GFlowNet red-teaming: 0.5 "
+                                          "2.0) instead of --temperature; the trainer still "
+                                          "scores at --temperature; off by default",
+                                    ((lambda v: 0 < v[0] <= v[1]), "two numbers 0 < LOW <= HIGH"))
+    reference_frac: float = flag(0.0, "share of groups sampled by the frozen reference model "
+                                      "instead of the policy", within(0, 1))
+    search_temperature_frac: float = flag(1.0, "with --search-temperature: the share of groups "
+                                               "sampled at a drawn temperature, the others at "
+                                               "--temperature (GFlowNet red-teaming: 0.5)",
+                                          ((lambda v: 0 < v <= 1), "in (0, 1]"))
+
+
+def check(cfg):
+    """The rules that tie exploration's settings to the others."""
+    if cfg.search_temperature_frac < 1 and not cfg.search_temperature:
+        raise ValueError(f"--search-temperature-frac {cfg.search_temperature_frac} is the share "
+                         "of groups sampled at a drawn temperature, and --search-temperature "
+                         "is not set: add --search-temperature LOW HIGH, or drop it")
 
 
 @dataclass(frozen=True)

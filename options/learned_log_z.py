@@ -21,7 +21,30 @@ all the way, the group estimate again; lr = B/4: half-way, an average over its r
 Adam's steps of at most ~lr each could not follow the normaliser where it moves by tens of nats,
 as it does while the reward temperature anneals.
 """
+from dataclasses import dataclass
+
 import torch
+
+from plumbing.flags import POSITIVE, flag, one_of
+
+
+@dataclass
+class Settings:
+    """log Z (options/learned_log_z.py)"""
+    log_z: str = flag("group", "--loss tb: group (log Ẑ of a prompt estimated from its K "
+                               "completions in the batch, VarGrad) or learned (a log Z per "
+                               "prompt trained with the policy by gradient descent at "
+                               "--log-z-lr; GFlowNet red-teaming learns it)",
+                      one_of("group", "learned"))
+    log_z_lr: float = flag(1.0, "--log-z learned: its learning rate (plain gradient descent: "
+                                "each step moves a prompt's log Z 2·lr/B of the way to its "
+                                "group's estimate; B/2: all the way)", POSITIVE)
+
+
+def check(cfg):
+    if cfg.log_z != "group" and not cfg.loss.startswith("tb"):     # tb and its stale-data forms
+        raise ValueError(f"--log-z {cfg.log_z} shapes trajectory balance's target, and --loss "
+                         f"is {cfg.loss}: use --loss tb, or drop it")
 
 
 class LearnedLogZ(torch.nn.Module):

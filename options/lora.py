@@ -10,7 +10,26 @@ before). What changes elsewhere: the optimiser holds the adapter's parameters on
 (`devices/weights.shipped_state`), and a checkpoint's model folder holds the adapter with the
 path of its base model (transformers loads both from it).
 """
+from dataclasses import dataclass
 from functools import partial
+
+from plumbing.flags import POSITIVE, at_least, flag
+
+
+@dataclass
+class Settings:
+    """LoRA (options/lora.py)"""
+    lora_rank: int = flag(0, "train a LoRA adapter of this rank (peft) on the policy's attention "
+                             "projections instead of every weight; the reference is the same "
+                             "model with the adapter off, and only the adapter travels to the "
+                             "searchers (0: full fine-tuning; GFlowNet red-teaming: 32)",
+                          at_least(0))
+    lora_alpha: float = flag(16.0, "--lora-rank: the adapter's scale α (its update is "
+                                   "α/rank · B·A)", POSITIVE)
+
+
+def check(cfg):
+    """LoRA's settings act alone."""
 
 
 def adapter(rank, alpha):

@@ -44,6 +44,32 @@ LOSSES = {
 }
 
 
+# What each name trains, as --help says it.
+HELP = {
+    "tb": "trajectory balance, valid off-policy",
+    "rloo": "REINFORCE leave-one-out, the on-policy baseline: needs --searchers 0, or "
+            "--rloo-off-policy",
+    "rloo-is": "RLOO weighted by the truncated importance ratio min(π/μ, --is-clip) of each "
+               "completion: the off-policy baseline asynchronous RL trainers ship",
+    "vcpo": "rloo-is with each step's learning rate times √(ESS/N) of the weights π/μ, VCPO, "
+            "arXiv 2602.17616",
+    "tb-trust:λ": "for stale data, like the four below (options/stale_tb.py): a residual with "
+                  "λ·(log π − log μ), a trust region towards the sampler; tb-trust is λ 1",
+    "tb-topr": "the squared residuals of completions TB pushes down weighted by min(1, π/μ)",
+    "tb-is": "every squared residual weighted by min(1, π/μ)",
+    "tb-ess": "TB with VCPO's step",
+    "tb-topr-ess": "tb-topr with VCPO's step; each of the five is TB at lag 0",
+}
+
+
+def valid(name):
+    """--loss: a name of LOSSES, tb-trust with an optional :λ."""
+    try:
+        return parse(name)[0] in LOSSES
+    except ValueError:
+        return False
+
+
 def parse(name):
     """'tb-trust:4' -> ('tb-trust', 4.0); 'tb' -> ('tb', 1.0). ValueError if the parameter is
     not a positive number or the loss takes none."""

@@ -10,12 +10,31 @@ sample with, so a run resumed from any kept checkpoint samples with the same old
 that never stopped.
 """
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from plumbing import checkpoint
+from plumbing.flags import at_least, flag
 from devices.weights import copy_weights, shipped_state
+
+
+@dataclass
+class Settings:
+    """an exact policy lag (options/policy_lag.py)"""
+    lag: int = flag(0, "--searchers 0 only: sample each step's groups with the policy as it was "
+                       "exactly this many updates earlier (the first steps: with the initial "
+                       "weights), to measure staleness alone; keeps the last L + 1 versions "
+                       "of the weights (and those each kept checkpoint needs) as files in "
+                       "RUN/lag/ and one more copy in memory (0: on-policy)", at_least(0))
+
+
+def check(cfg):
+    if cfg.lag and cfg.searchers:
+        raise ValueError(f"--lag {cfg.lag} delays the synchronous loop's sampler, but --searchers "
+                         f"{cfg.searchers} samples in other processes, as stale as they come: "
+                         "use --searchers 0 with --lag, or drop --lag")
 
 
 class Lag:

@@ -14,14 +14,53 @@ reference samples, after the task's demonstrations (`Task.demonstrations`: red-t
 human-written attacks), each scored by the task and by the reference as a sampled one is.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 
 from batch import REFERENCE, GroupBatch
 from engines.sources import SynchronousSource
-from llm import models, sampling
+from llm import precision, sampling
 from llm.logprobs import completion_logprobs
 from options import exploration
+from plumbing.flags import at_least, flag
+
+
+@dataclass
+class Settings:
+    """replay in the synchronous loop (options/replay_groups.py)"""
+    replay_groups: int = flag(0, "--searchers 0 only: of each step's B groups, this many are "
+                                 "drawn from a replay buffer of the completions earlier steps "
+                                 "sampled (by --priority-temp; stored as --buffer-evict, "
+                                 "--dedup, --merge-cosine say), the others sampled fresh, as "
+                                 "GFlowNet red-teaming trains (0: on-policy only)", at_least(0))
+    search_factor: int = flag(1, "--replay-groups only: each step samples this many times the "
+                                 "fresh groups it trains on, as that many searchers would; the "
+                                 "surplus goes to the replay buffer only (1: none)", at_least(1))
+    seed_buffer: int = flag(0, "--replay-groups only: before the first step, this many groups "
+                               "sampled by the frozen reference, scored and stored in the replay "
+                               "buffer (GFlowNet red-teaming seeds its buffer; counted as "
+                               "searched groups)", at_least(0))
+
+
+def check(cfg):
+    """Replay in the synchronous loop: beside fresh groups, and without another source of
+    staleness."""
+    if cfg.replay_groups and cfg.searchers:
+        raise ValueError(f"--replay-groups {cfg.replay_groups} replays in the synchronous loop, "
+                         f"but --searchers {cfg.searchers} already trains from a replay buffer: "
+                         "set its share of fresh groups with --recent-frac, or use --searchers 0")
+    if cfg.replay_groups >= cfg.prompts_per_step:
+        raise ValueError(f"--replay-groups {cfg.replay_groups} leaves no fresh group of the "
+                         f"--prompts-per-step {cfg.prompts_per_step}: use fewer")
+    for name, on in (("--search-factor", cfg.search_factor > 1),
+                     ("--seed-buffer", cfg.seed_buffer)):
+        if on and not cfg.replay_groups:
+            raise ValueError(f"{name} fills the synchronous loop's replay buffer, and "
+                             "--replay-groups is 0: add --replay-groups N, or drop it")
+    if cfg.replay_groups and cfg.lag:
+        raise ValueError(f"--replay-groups with --lag {cfg.lag}: a lag sweep measures staleness "
+                         "without replay: drop one of them")
 
 
 class ReplayGroups(SynchronousSource):
@@ -116,7 +155,7 @@ def store_demonstrations(buffer, source, pairs, chunk=64):
         owner = torch.tensor([[p.index for p in unique].index(p.index) for p in prompts])
         prompt_ids, prompt_mask = sampling.left_pad([p.ids for p in unique],
                                                     tokenizer.pad_token_id)     # [n, P] each
-        with models.autocast(device, getattr(torch, cfg.dtype)):
+        with precision.autocast(device, getattr(torch, cfg.dtype)):
             ref_logp = completion_logprobs(
                 source.ref_model, prompt_ids.to(device), prompt_mask.to(device),
                 responses.to(device), lengths.to(device), owner.to(device),

@@ -5,7 +5,35 @@
 with the step size scaled by the effective sample size (`staleness.ess_step_scale`).
 `options/losses.py` turns each into the `trainer.Loss` a step takes.
 """
+from dataclasses import dataclass
+
 import torch
+
+from plumbing.flags import POSITIVE, flag
+
+
+@dataclass
+class Settings:
+    """RLOO and its corrections (options/rloo.py)"""
+    rloo_off_policy: bool = flag(False, "let --loss rloo train on the searchers' stale, replayed "
+                                        "or explorative groups, although it is an on-policy loss")
+    is_clip: float = flag(2.0, "rloo-is, vcpo: C, the largest importance weight π/μ of a "
+                               "completion (slime and verl use 2, TBA-prime 8)", POSITIVE)
+
+
+def check(cfg):
+    """Uncorrected RLOO only on the current policy's samples, unless asked for: one rule for
+    every way the data gets off-policy."""
+    off_policy = [why for why, on in (
+        (f"--searchers {cfg.searchers} trains on stale, replayed groups", cfg.searchers),
+        (f"--lag {cfg.lag} trains on groups sampled {cfg.lag} updates earlier", cfg.lag),
+        (f"--replay-groups {cfg.replay_groups} trains on replayed groups", cfg.replay_groups),
+        ("--search-temperature/--reference-frac sample from other distributions",
+         cfg.search_temperature or cfg.reference_frac)) if on]
+    if cfg.loss == "rloo" and off_policy and not cfg.rloo_off_policy:
+        raise ValueError(f"--loss rloo is on-policy, but {off_policy[0]}: use --loss rloo-is "
+                         "(importance-corrected) or --loss tb, or add --rloo-off-policy to "
+                         "train it uncorrected anyway")
 
 
 def rloo_loss(logp, ref_logp, reward, beta, is_weight=None, keep=None):

@@ -56,6 +56,28 @@ def is_run(out):
         return (Path(out) / "metrics.jsonl").is_file()
 
 
+def saved_settings(run):
+    """The settings a run folder's config.json stores: -> {name: value} (ValueError: not a run
+    folder, or a corrupt record)."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run folder (it has no config.json): pass a folder "
+                         "written by tba.py, such as runs/<name>")
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    if isinstance(record, dict) and "config" not in record:
+        raise ValueError(f"{run} is not a run folder (its config.json is not a run's; a model "
+                         "folder?): pass a folder written by tba.py, such as runs/<name>")
+    try:
+        saved = record["config"]
+        assert isinstance(saved, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{path} is corrupt ({type(e).__name__}: {e}): the run cannot be resumed")
+    return saved
+
+
 def failed_start(out):
     """A run folder that holds no trained step and no checkpoint: a start that failed, which
     the next start with the same --out replaces."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm import models
+from llm import models, precision
 from plumbing.flags import TASK_DEFAULT, at_least, flag, one_of
 
 
@@ -169,7 +169,7 @@ class Task:
         in a searcher (`searcher.sample_groups`). Around the policy only: a scorer (a victim, a
         classifier, a reward model) under it would measure at another precision than the
         training reward, and autocast would keep low-precision copies of its weights."""
-        return models.autocast(next(model.parameters()).device,
+        return precision.autocast(next(model.parameters()).device,
                                getattr(torch, getattr(self.cfg, "dtype", "float32")))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import config
+from plumbing import flags
 import tasks
 import tba
 
@@ -33,7 +34,7 @@ def test_cpu_recipes_are_the_tasks_own_defaults():
     """recipes/cpu-TASK.toml writes out exactly what `--task TASK` chooses: no drift."""
     assert {p.name for p in RECIPES} >= {f"cpu-{name}.toml" for name in tasks.TASKS}
     for name in tasks.TASKS:
-        recipe = config.read_recipe(REPO / "recipes" / f"cpu-{name}.toml")
+        recipe = flags.read_recipe(REPO / "recipes" / f"cpu-{name}.toml", config.all_fields())
         assert recipe == {"task": name, **tasks.task_class(name).defaults}, name
 
 
@@ -113,11 +114,11 @@ def test_dry_run_prints_the_settings_that_differ_and_writes_nothing(tmp_path, ca
 def test_a_dry_run_times_nothing(tmp_path, monkeypatch):
     """--dtype auto on a CPU times a matmul to choose bfloat16 or float32: a run does, a dry run
     leaves it auto (the run that follows chooses)."""
-    from llm import models
+    from llm import precision
 
     def timed():
         raise AssertionError("a dry run timed a matmul")
-    monkeypatch.setattr(models, "cpu_bfloat16_is_faster", timed)
+    monkeypatch.setattr(precision, "cpu_bfloat16_is_faster", timed)
     assert tba.main(["--task", "toy", "--device", "cpu", "--dry-run",
                      "--out", str(tmp_path / "run")]) == 0
     cfg = config.resolve(config.parse_args(["--task", "toy", "--device", "cpu"])[0],
@@ -195,7 +196,7 @@ def test_each_task_owns_its_settings(tmp_path, monkeypatch):
     gets, --help lists under it, a run of another task refuses, and a task of your own brings."""
     import dataclasses
     core = {f.name for f in dataclasses.fields(config.Config)}
-    assert len(core) <= 60 and not core & {"arith_digits", "victim_model", "data_dir"}
+    assert len(core) <= 56 and not core & {"arith_digits", "victim_model", "data_dir"}
     cfg = config.parse_args(["--task", "arith", "--arith-digits", "2"])[0]
     assert cfg.arith_digits == 2 and not hasattr(config.parse_args([])[0], "arith_digits")
     assert pickle.loads(pickle.dumps(cfg)) == cfg          # as a spawned searcher receives it

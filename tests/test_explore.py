@@ -278,9 +278,9 @@ def test_the_synchronous_loop_replays_earlier_steps_beside_fresh_groups(tmp_path
     every completion is the one stored (its log μ is the unchanged policy's log π)."""
     # float32, not --dtype auto: the claim is equality with the test's own float32 forward, and
     # auto picks bfloat16 autocast on a CPU with native bfloat16 (log-probs then differ by ~1e-3)
-    cfg = config.resolve(config.Config(task="toy", searchers=0, prompts_per_step=3,
-                                       replay_groups=2, group_size=8, priority_temp=1.0,
-                                       dtype="float32", out=str(tmp_path)))
+    cfg = config.resolve(config.settings(task="toy", searchers=0, prompts_per_step=3,
+                                         replay_groups=2, group_size=8, priority_temp=1.0,
+                                         dtype="float32", out=str(tmp_path)))
     source, policy = synchronous_source(cfg)
     for version in range(4):
         batch, metrics = source.next_batch(version)

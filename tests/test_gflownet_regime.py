@@ -109,9 +109,9 @@ def test_half_the_groups_at_a_drawn_temperature():
 def test_more_search_per_update_stores_the_surplus_and_trains_on_b_groups(tmp_path):
     """--search-factor 3 --replay-groups 1, B = 2, after --seed-buffer 3 reference groups: each
     step samples 3 fresh groups, trains on 1 of them and 1 replayed, and stores all 3."""
-    cfg = config.resolve(config.Config(task="toy", searchers=0, prompts_per_step=2,
-                                       replay_groups=1, search_factor=3, seed_buffer=3,
-                                       group_size=4, dtype="float32", out=str(tmp_path)))
+    cfg = config.resolve(config.settings(task="toy", searchers=0, prompts_per_step=2,
+                                         replay_groups=1, search_factor=3, seed_buffer=3,
+                                         group_size=4, dtype="float32", out=str(tmp_path)))
     source, _ = synchronous_source(cfg)
     source.fill()
     assert len(source.buffer) == 3 * 4 and source.groups == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llm import logprobs
-from llm import models
+from llm import precision
 from devices import placement
 import tba
 from tasks.toy import build_model, build_tokenizer
@@ -80,7 +80,7 @@ def test_bfloat16_sampling_and_scoring_agree_on_cuda():
     with torch.no_grad():
         model.lm_head.weight.mul_(100)
     batch = random_batch(model.config.vocab_size).to("cuda")
-    with torch.no_grad(), models.autocast("cuda", torch.bfloat16):
+    with torch.no_grad(), precision.autocast("cuda", torch.bfloat16):
         scored = group_logprobs(model, batch)
         again = group_logprobs(model, batch)
     reference = plain_logprobs(model, batch)                      # float32
@@ -104,7 +104,7 @@ def test_generate_behaviour_logprobs_are_the_trainers_under_bfloat16_autocast(ma
     model = (build_model(len(tokenizer)) if make == "toy" else tiny_llama()).cuda()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20)            # logits far from uniform
-    with models.autocast("cuda:0", torch.bfloat16):
+    with precision.autocast("cuda:0", torch.bfloat16):
         response_ids, behaviour_logp, logp = sampled(model, tokenizer, prompts, temperature=0.7)
         largest_logit = model(input_ids=response_ids.flatten(0, 1)).logits.abs().max().item()
     assert behaviour_logp.device.type == "cuda" and behaviour_logp.shape == (2, 6)

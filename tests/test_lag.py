@@ -14,7 +14,7 @@ import tasks
 import trainer
 from plumbing import staleness
 from batch import GroupBatch
-from config import Config, resolve
+from config import resolve, settings
 from options.policy_lag import Lag
 from test_trainer import tiny_llama
 from tasks.toy import build_model, build_tokenizer
@@ -151,8 +151,8 @@ def lagged_source(lag, out):
     """An SynchronousSource source of the toy task with --lag `lag`, and the policy it lags behind. In
     float32, not --dtype auto: the tests compare with their own float32 forward passes, and auto
     picks bfloat16 autocast on a CPU with native bfloat16 (log-probs then differ by ~1e-3)."""
-    cfg = resolve(Config(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8,
-                         dtype="float32", out=str(out)))
+    cfg = resolve(settings(task="toy", searchers=0, lag=lag, prompts_per_step=2, group_size=8,
+                           dtype="float32", out=str(out)))
     task = tasks.make_task(cfg)
     policy, tokenizer = task.load_model(torch.device("cpu"))
     ref_model = copy.deepcopy(policy).requires_grad_(False)

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from llm import sampling, static_decoding
-from llm import models
+from llm import models, precision
 from llm.models import DEFAULT_MODEL, ModelLoadError, load_model
 
 WORDS = ["<unk>", "<eos>"] + "the a cat dog sat on mat is big small one two three".split()
@@ -176,7 +176,7 @@ def autocast_casts(layer, passes=3):
     """aten::_to_copy calls (autocast's casts) in `passes` forwards of `layer` in one context."""
     from torch.profiler import profile
     x = torch.randn(8, layer.in_features)
-    with torch.no_grad(), models.autocast("cpu", torch.bfloat16), profile() as prof:
+    with torch.no_grad(), precision.autocast("cpu", torch.bfloat16), profile() as prof:
         for _ in range(passes):
             layer(x)
     return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
@@ -206,7 +206,7 @@ def test_a_frozen_copy_scores_bit_for_bit_as_autocast_does(build):
     frozen = models.frozen_copy(model, torch.bfloat16)
     assert frozen.get_output_embeddings().weight.dtype == torch.bfloat16
     assert frozen.get_input_embeddings().weight.dtype == torch.float32
-    with torch.no_grad(), models.autocast("cpu", torch.bfloat16):
+    with torch.no_grad(), precision.autocast("cpu", torch.bfloat16):
         assert torch.equal(group_logprobs(model, batch, 0.8), group_logprobs(frozen, batch, 0.8))
     assert all(p.dtype == torch.float32 and not p.requires_grad
                for p in models.frozen_copy(model).parameters())
@@ -231,7 +231,7 @@ def test_the_static_cache_samples_what_the_prefix_cache_samples_and_the_trainer_
     out = {}
     for cache in (sampling.PREFIX, sampling.STATIC, sampling.STATIC):   # the static cache reused
         torch.manual_seed(3)
-        with models.autocast("cpu", dtype):
+        with precision.autocast("cpu", dtype):
             out[cache] = sampling.generate(model, tokenizer, prompts, num_samples=4,
                                            max_new_tokens=6, temperature=0.9,
                                            with_logprobs=True, cache=cache)
@@ -244,7 +244,7 @@ def test_the_static_cache_samples_what_the_prefix_cache_samples_and_the_trainer_
                        response_len=response_len, reward=torch.zeros(3, 4),
                        ref_logp=torch.zeros(3, 4), version=torch.zeros(3, 4, dtype=torch.long),
                        prompt_index=torch.arange(3))
-    with torch.no_grad(), models.autocast("cpu", dtype):
+    with torch.no_grad(), precision.autocast("cpu", dtype):
         logp = group_logprobs(model, batch, 0.9).view(3, 4)
     tolerance = 1e-4 if dtype == torch.float32 else 0.15           # bfloat16's rounding, 6 tokens
     assert (logp - behaviour_logp).abs().max() <= tolerance

@@ -4,7 +4,9 @@ The options plug into the core where the run is assembled (assembly/load.py): th
 import none of them, and with every option off no line of options/ runs during a step.
 """
 import ast
+import inspect
 import queue
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch.multiprocessing as mp
 
 import config
 import searcher
+import tba
 import trainer
 from assembly import load
 from devices.sync_check import receive_weights
@@ -32,27 +35,27 @@ def test_the_core_imports_no_option():
 
 def files_run(fn):
     """The project's files (relative paths) whose Python code runs in fn(), in the order each is
-    first entered."""
+    first entered: -> {file: the qualified names of its functions that ran}"""
     seen = {}
 
     def profile(frame, event, arg):
         if event == "call":
             path = Path(frame.f_code.co_filename)
             if path.is_relative_to(REPO) and "tests" not in path.parts:
-                seen.setdefault(str(path.relative_to(REPO)), None)
+                seen.setdefault(str(path.relative_to(REPO)), set()).add(frame.f_code.co_qualname)
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return list(seen)
+    return seen
 
 
 def traced_step(tmp_path, *flags):
     """One step of `python tba.py --task toy FLAGS`, in this process: with searchers, a searcher
     samples a batch into the buffer, the trainer draws from it, steps, and publishes the weights,
     which the searcher loads; without, the synchronous source samples and the trainer steps.
-    -> the files that ran"""
+    -> {file that ran: its functions that ran}, in the order the files were first entered"""
     cfg, _, _ = config.parse_args(["--task", "toy", "--steps", "2", "--group-size", "4",
                                    "--prompts-per-step", "2", "--quiet",
                                    "--out", str(tmp_path / "run"), *flags])
@@ -100,3 +103,27 @@ def test_an_option_that_is_on_runs_in_the_step(tmp_path):
     ran = traced_step(tmp_path, "--searchers", "0", "--loss", "tb-topr",
                       "--search-temperature", "0.5", "2.0")
     assert {"options/losses.py", "options/stale_tb.py", "options/exploration.py"} <= set(ran)
+
+
+def reading_order():
+    """The README's reading order: -> [(file, its row's "what to look for")]"""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Reading order"):text.index("## Files")]
+    return re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| \d+ \| (.*) \|$", section, re.M)
+
+
+def test_the_readme_reading_order_is_the_path_one_step_takes(tmp_path):
+    """The README's table lists tba.py (the loop), then every file one step of `--task toy
+    --searchers 1` enters, in the order it first enters them; the function each row names first
+    is one the step ran. tba.py's `train` is the loop whose body the traced step repeats."""
+    ran = traced_step(tmp_path, "--searchers", "1")
+    rows = reading_order()
+    assert rows[0][0] == "tba.py"
+    assert [name for name, _ in rows[1:]] == list(ran), "README's reading order != the traced path"
+    for name, what in rows[1:]:
+        first = re.search(r"`([\w.]+)`", what).group(1)
+        assert any(q == first or q.endswith("." + first) or q.startswith(first + ".")
+                   for q in ran[name]), f"{name}: the step never ran `{first}`"
+    loop = inspect.getsource(tba.train)
+    for call in ("source.next_batch(", "trainer.train_step(", "source.publish("):
+        assert call in loop, f"tba.train no longer calls {call}: update traced_step"

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from llm import sampling
-from llm import models
+from llm import models, precision
 from batch import GroupBatch
 from tasks.toy import build_model, build_tokenizer
 from llm.logprobs import (check_logprobs, completion_logprobs, enable_activation_checkpointing,
@@ -322,7 +322,7 @@ def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
                               top_p=1.0, num_return_sequences=3, min_new_tokens=10,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    with models.autocast("cpu", torch.bfloat16):
+    with precision.autocast("cpu", torch.bfloat16):
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                              output_scores=True, return_dict_in_generate=True)
     response = out.sequences[:, ids.shape[1]:]                                  # [6, 10]
@@ -332,7 +332,7 @@ def test_bfloat16_sampling_and_scoring_agree(tiny_model_dir):
                   response_len=torch.full((6,), response.shape[1]),
                   owner=torch.arange(2).repeat_interleave(3))
     with torch.no_grad():
-        with models.autocast("cpu", torch.bfloat16):
+        with precision.autocast("cpu", torch.bfloat16):
             scored = completion_logprobs(model, **inputs)
         float32 = completion_logprobs(model, **inputs)
     bound = response.shape[1] * 2 * scores.abs().max() * 2 ** -9
