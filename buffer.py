@@ -34,7 +34,7 @@ def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embeddin
     return n_prompts * (4 * P + 8) + capacity * (4 * R + 4 * (4 + D) + 5 * 8) + 8
 
 
-class ReplayBuffer(Storage):
+class ReplayBuffer:
     FIELDS = ("prompt_ids", "prompt_len", "response_ids", "response_len", "reward", "ref_logp",
               "behaviour_logp", "embedding", "version", "prompt_index", "order", "draws",
               "search_temperature")
@@ -50,11 +50,8 @@ class ReplayBuffer(Storage):
         if min(C, K, P, R, N) < 1:
             raise ValueError("capacity, group_size, max_prompt_len, max_response_len, n_prompts "
                              "must be >= 1")
-        self.check_policy(per_prompt, evict, merge_cosine, D)
         self.capacity, self.group_size, self.n_prompts = C, K, N
         self.max_prompt_len, self.max_response_len, self.pad_id = P, R, pad_id
-        self.per_prompt, self.evict = per_prompt or C, evict
-        self.dedup, self.merge_cosine = dedup, merge_cosine
         self.prompt_ids = torch.full((N, P), pad_id, dtype=torch.int32)       # [N, P]
         self.prompt_len = torch.zeros(N, dtype=torch.int64)                   # [N] 0: not seen
         self.response_ids = torch.full((C, R), pad_id, dtype=torch.int32)     # [C, R]
@@ -71,6 +68,8 @@ class ReplayBuffer(Storage):
         self.n_added = torch.zeros(1, dtype=torch.int64)                      # [1] orders given
         for name in self.FIELDS + ("n_added",):
             getattr(self, name).share_memory_()
+        # what is kept and what makes way (replay/storage.py), on these tensors
+        self.storage = Storage(self, per_prompt, evict, dedup, merge_cosine)
         # A spawn-context lock pickles into processes started with the spawn method.
         self._lock = mp.get_context("spawn").Lock()
 
@@ -123,14 +122,14 @@ class ReplayBuffer(Storage):
                           "behaviour_logp": each(behaviour_logp, torch.float32),
                           "version": each(version, torch.int64),
                           "search_temperature": each(search_temperature, torch.float32)}
-        self.check_group(prompt, resp, lens, per_completion, prompt_index, embedding)
+        self.storage.check_group(prompt, resp, lens, per_completion, prompt_index, embedding)
         # Build the padded rows outside the lock; only the copy into shared memory is locked.
         p_row = torch.full((P,), self.pad_id, dtype=torch.int32)              # [P]
         p_row[P - prompt.numel():] = prompt
         r_rows = torch.full((k, R), self.pad_id, dtype=torch.int32)           # [k, R]
         r_rows[:, :resp.shape[1]] = resp
         r_rows[torch.arange(R) >= lens[:, None]] = self.pad_id
-        if self.merge_cosine:
+        if self.storage.merge_cosine:
             embedding = torch.nn.functional.normalize(torch.as_tensor(embedding).float(), dim=-1)
         stored = 0
         with self._lock:
@@ -138,8 +137,8 @@ class ReplayBuffer(Storage):
             # best first: of two near-duplicates in one group, the better one stays
             for i in per_completion["reward"].argsort(descending=True, stable=True).tolist():
                 completion = {name: t[i] for name, t in per_completion.items()}
-                stored += self.store(prompt_index, r_rows[i], lens[i], completion,
-                                        None if embedding is None else embedding[i])
+                stored += self.storage.store(prompt_index, r_rows[i], lens[i], completion,
+                                                None if embedding is None else embedding[i])
         return stored
 
     def add_batch(self, prompt_ids, batch: GroupBatch) -> int:
@@ -150,11 +149,6 @@ class ReplayBuffer(Storage):
                             int(batch.prompt_index[i]), batch.search_temperature[i],
                             None if batch.embedding is None else batch.embedding[i])
                    for i, ids in enumerate(prompt_ids))
-
-    def next_order(self) -> int:
-        n = int(self.n_added[0])
-        self.n_added[0] = n + 1
-        return n
 
     # --- draw ----------------------------------------------------------------------------------
 
@@ -265,7 +259,7 @@ class ReplayBuffer(Storage):
 
     def load_state_dict(self, state: dict, max_version: int) -> None:
         """Restore a `state_dict` of versions up to `max_version` (the checkpoint's step)."""
-        self.check_state(state, versions=(REFERENCE, max_version))
+        self.storage.check_state(state, versions=(REFERENCE, max_version))
         n_added = state["n_added"]
         with self._lock:
             for name in self.FIELDS:

@@ -14,9 +14,25 @@ import torch
 
 
 class Storage:
-    """The storage policies of `ReplayBuffer`, which inherits them: it holds the fields
-    (`response_ids`, `reward`, `order`, ... and the settings `dedup`, `merge_cosine`, `evict`)
-    that these methods read and write, under its lock."""
+    """The storage policies of a `ReplayBuffer` and the checks of what it is given: a part the
+    buffer holds (`buffer.storage`) and calls under its lock. Its methods read and write the
+    buffer's shared tensors (`slots`: the buffer, whose fields `response_ids`, `reward`,
+    `order`, ... they are), and call nothing of it back."""
+
+    def __init__(self, slots, per_prompt=0, evict="oldest", dedup=False, merge_cosine=0.0):
+        """per_prompt: at most this many completions of one prompt (0: no bound but the
+        capacity); evict, dedup, merge_cosine: as the module says."""
+        self.check_policy(per_prompt, evict, merge_cosine, slots.embedding.shape[1])
+        self.slots = slots
+        self.per_prompt, self.evict = per_prompt or slots.capacity, evict
+        self.dedup, self.merge_cosine = dedup, merge_cosine
+
+    def next_order(self) -> int:
+        """The insertion order of the completion stored now: 0, 1, 2, ... over the buffer's
+        life (under the lock)."""
+        n = int(self.slots.n_added[0])
+        self.slots.n_added[0] = n + 1
+        return n
 
     def store(self, prompt_index, tokens, length, completion, embedding) -> bool:
         """Store one completion (under the lock). -> whether it was stored
@@ -26,33 +42,35 @@ class Storage:
         completions of the prompt are near it, the best of them is kept if it is at least as
         good, and counts as found again (its age is renewed, so "oldest" eviction cannot take
         what keeps being rediscovered); else they all make way for it."""
-        mine = torch.from_numpy(np.flatnonzero(self.prompt_index.numpy() == prompt_index))  # [m]
+        slots = self.slots
+        index = slots.prompt_index.numpy()                                     # [C]
+        mine = torch.from_numpy(np.flatnonzero(index == prompt_index))         # [m]
         slot = None
         if self.dedup:
-            same = mine[(self.response_len[mine] == length)
-                        & (self.response_ids[mine] == tokens).all(1)]          # [0 or 1]
+            same = mine[(slots.response_len[mine] == length)
+                        & (slots.response_ids[mine] == tokens).all(1)]          # [0 or 1]
             slot = int(same[0]) if len(same) else None
         if slot is None and self.merge_cosine:
-            is_near = self.embedding[mine] @ embedding >= self.merge_cosine    # [m]
+            is_near = slots.embedding[mine] @ embedding >= self.merge_cosine    # [m]
             near = mine[is_near]
             if len(near):
-                best = int(near[self.reward[near].argmax()])
-                if self.reward[best] >= completion["reward"]:
-                    self.order[best] = self.next_order()
+                best = int(near[slots.reward[near].argmax()])
+                if slots.reward[best] >= completion["reward"]:
+                    slots.order[best] = self.next_order()
                     return False
-                self.prompt_index[near] = -1                                   # made way
+                slots.prompt_index[near] = -1                                   # made way
                 mine = mine[~is_near]
         if slot is None:
             slot = self.slot_to_replace(mine, completion["reward"])
             if slot is None:
                 return False
-        self.response_ids[slot], self.response_len[slot] = tokens, length
+        slots.response_ids[slot], slots.response_len[slot] = tokens, length
         for name, value in completion.items():
-            getattr(self, name)[slot] = value
+            getattr(slots, name)[slot] = value
         if self.merge_cosine:
-            self.embedding[slot] = embedding
-        self.prompt_index[slot], self.order[slot] = prompt_index, self.next_order()
-        self.draws[slot] = 0
+            slots.embedding[slot] = embedding
+        slots.prompt_index[slot], slots.order[slot] = prompt_index, self.next_order()
+        slots.draws[slot] = 0
         return True
 
     def slot_to_replace(self, mine, reward) -> int | None:
@@ -61,24 +79,26 @@ class Storage:
         `per_prompt` evicts one of its own; a full buffer evicts the oldest of all ("oldest"),
         or ("lowest") the lowest reward of the prompt holding the most. Among equal rewards the
         oldest goes. -> None when "lowest" finds the new one worse than all its prompt holds."""
-        index = self.prompt_index.numpy()                                      # [C]
+        slots = self.slots
+        index = slots.prompt_index.numpy()                                      # [C]
         own = len(mine) >= self.per_prompt
         if not own and (index < 0).any():
             return int((index < 0).argmax())                                   # the first free
         if own:
             candidates = mine
         elif self.evict == "oldest":                                           # of all stored
-            return int(np.where(index >= 0, self.order.numpy(), np.iinfo(np.int64).max).argmin())
+            order = np.where(index >= 0, slots.order.numpy(), np.iinfo(np.int64).max)  # [C]
+            return int(order.argmin())
         else:
-            largest = self.completions_per_prompt(index >= 0).argmax()
-            own = largest == self.prompt_index[mine[0]] if len(mine) else False
+            largest = np.bincount(index[index >= 0], minlength=slots.n_prompts).argmax()
+            own = largest == slots.prompt_index[mine[0]] if len(mine) else False
             candidates = torch.from_numpy(np.flatnonzero(index == largest))
         if self.evict == "lowest":
-            lowest = self.reward[candidates].min()
+            lowest = slots.reward[candidates].min()
             if own and reward < lowest:
                 return None
-            candidates = candidates[self.reward[candidates] == lowest]
-        return int(candidates[self.order[candidates].argmin()])
+            candidates = candidates[slots.reward[candidates] == lowest]
+        return int(candidates[slots.order[candidates].argmin()])
 
     @staticmethod
     def check_policy(per_prompt, evict, merge_cosine, embedding_dim):
@@ -94,7 +114,8 @@ class Storage:
     def check_group(self, prompt, resp, lens, per_completion, prompt_index, embedding):
         """A group given to `ReplayBuffer.add` fits the buffer; ValueError saying how it does
         not."""
-        P, R = self.max_prompt_len, self.max_response_len
+        slots = self.slots
+        P, R = slots.max_prompt_len, slots.max_response_len
         k = resp.shape[0] if resp.dim() == 2 else -1
         if prompt.dim() != 1 or not 1 <= prompt.numel() <= P:
             raise ValueError(f"prompt_ids must be 1-D unpadded with length in [1, "
@@ -107,8 +128,8 @@ class Storage:
                 raise ValueError(f"{name} must have shape [{k}], got {tuple(t.shape)}")
         if lens.min() < 1 or lens.max() > resp.shape[1]:
             raise ValueError(f"response_len must lie in [1, {resp.shape[1]}], got {lens.tolist()}")
-        if not 0 <= prompt_index < self.n_prompts:
-            raise ValueError(f"prompt_index must be in [0, n_prompts={self.n_prompts}), got "
+        if not 0 <= prompt_index < slots.n_prompts:
+            raise ValueError(f"prompt_index must be in [0, n_prompts={slots.n_prompts}), got "
                              f"{prompt_index}")
         if self.merge_cosine and embedding is None:
             raise ValueError("this buffer merges near-duplicates: add needs the embeddings")
@@ -118,21 +139,22 @@ class Storage:
         weight versions in `versions` (lowest, highest: the reference's, the checkpoint's step): a
         file with the right shapes but impossible values would otherwise be trained on, or crash a
         searcher much later. Raises ValueError saying what is wrong."""
+        slots = self.slots
         lowest, highest = versions
         if "keep" in state or getattr(state.get("response_ids"), "dim", lambda: 2)() == 3:
             raise ValueError("the checkpoint's replay buffer holds whole groups, and this buffer "
                              "stores completions: it cannot be loaded; start the run again")
-        for name in self.FIELDS:
+        for name in slots.FIELDS:
             if name not in state:
                 raise ValueError(f"buffer state_dict is missing '{name}'")
-            want, got = getattr(self, name), state[name]
+            want, got = getattr(slots, name), state[name]
             if (not isinstance(got, torch.Tensor) or got.shape != want.shape
                     or got.dtype != want.dtype):
                 raise ValueError(
                     f"buffer state_dict '{name}' is {_describe(got)} but this buffer expects "
-                    f"{_describe(want)} (capacity={self.capacity}, n_prompts={self.n_prompts}, "
-                    f"max_prompt_len={self.max_prompt_len}, "
-                    f"max_response_len={self.max_response_len})")
+                    f"{_describe(want)} (capacity={slots.capacity}, n_prompts={slots.n_prompts}, "
+                    f"max_prompt_len={slots.max_prompt_len}, "
+                    f"max_response_len={slots.max_response_len})")
         n_added = state.get("n_added")
         if not isinstance(n_added, int) or n_added < 0:
             raise ValueError(f"buffer state_dict 'n_added' must be a count >= 0, got {n_added!r}")
@@ -140,17 +162,17 @@ class Storage:
         filled = {name: state[name][stored] for name in (
             "response_len", "reward", "ref_logp", "behaviour_logp", "version", "prompt_index",
             "order", "draws")}
-        seen = state["prompt_len"][filled["prompt_index"].clamp(0, self.n_prompts - 1)]
+        seen = state["prompt_len"][filled["prompt_index"].clamp(0, slots.n_prompts - 1)]
         rules = [  # (what is wrong, the offending values) for the stored completions
             (f"versions outside [{lowest}, {highest}]",
              filled["version"][(filled["version"] < lowest) | (filled["version"] > highest)]),
-            (f"prompt indices outside [0, {self.n_prompts})",
-             filled["prompt_index"][filled["prompt_index"] >= self.n_prompts]),
-            (f"prompt lengths outside [1, {self.max_prompt_len}]",
-             seen[(seen < 1) | (seen > self.max_prompt_len)]),
-            (f"response lengths outside [1, {self.max_response_len}]",
+            (f"prompt indices outside [0, {slots.n_prompts})",
+             filled["prompt_index"][filled["prompt_index"] >= slots.n_prompts]),
+            (f"prompt lengths outside [1, {slots.max_prompt_len}]",
+             seen[(seen < 1) | (seen > slots.max_prompt_len)]),
+            (f"response lengths outside [1, {slots.max_response_len}]",
              filled["response_len"][(filled["response_len"] < 1)
-                                    | (filled["response_len"] > self.max_response_len)]),
+                                    | (filled["response_len"] > slots.max_response_len)]),
             ("non-finite rewards", filled["reward"][~filled["reward"].isfinite()]),
             ("non-finite reference log-probs", filled["ref_logp"][~filled["ref_logp"].isfinite()]),
             ("infinite behaviour log-probs", filled["behaviour_logp"][
