@@ -9,7 +9,6 @@ written: a bad value is one `error:` line (exit 2) that says how to fix it.
     cfg = resolve(cfg)                         # the task's choices filled in, everything checked
     print(describe(cfg, given))               # what this run will use
 """
-import argparse
 import dataclasses
 import functools
 import sys
@@ -22,9 +21,10 @@ import torch
 import tasks
 from devices import placement
 from llm import models, precision
-from plumbing import checkpoint, flags, loggers
+from plumbing import checkpoint, flags, loggers, schedules
 from plumbing import run as run_files
 from options import exploration, learned_log_z, lora, losses, policy_lag, replay_groups, rloo
+from replay import storage
 from plumbing.flags import (BETA, LEARNING_RATE, POSITIVE, TASK_DEFAULT, at_least, flag,
                             one_of, within)
 
@@ -136,11 +136,6 @@ class Config:
                               at_least(-1))
     max_reuse: int = flag(None, "train on each group at most this many times, waiting for new "
                                 f"ones if needed (0: no bound) {TASK_DEFAULT}", at_least(0))
-    dedup: bool = flag(False, "store each completion of a prompt once: its newest copy (older "
-                              "copies in the buffer are left out); needs --max-reuse 0")
-    merge_cosine: float = flag(0.0, "redteam: completions of a prompt whose embeddings have "
-                                    "cosine at least this are near-duplicates, of which the "
-                                    "buffer keeps the higher reward (0: off)", within(0, 1))
     # evaluation and output
     eval_every: int = flag(None, f"evaluate every this many steps (0: only at start and end) "
                                  f"{TASK_DEFAULT}", at_least(0))
@@ -169,10 +164,9 @@ class Config:
                                "cpu), cpu or cuda:N; with 2+ GPUs the searchers take the others")
 
 
-
 # The options, each with its own settings (`Settings`) and the rules that tie them to the others
-# (`check(cfg)`), in the order --help lists them.
-OPTIONS = (exploration, rloo, learned_log_z, lora, policy_lag, replay_groups)
+# (`check(cfg)`), in the order --help lists them: options/, and the buffer's storage policies.
+OPTIONS = (exploration, rloo, learned_log_z, lora, policy_lag, replay_groups, storage)
 
 
 @functools.cache
@@ -230,65 +224,16 @@ def task_fields(own_task=None):
 # The groups in which `describe` prints the settings: each starts at its first field.
 SECTIONS = {"task": "what to train", "steps": "how much", "loss": "the objective",
             "lr": "the optimiser", "searchers": "asynchrony", "eval_every": "evaluation and output"}
-# The learning-rate and β schedules: all three must fit in the run's --steps.
-SCHEDULE = ("warmup_steps", "decay_steps", "beta_steps", "reward_temp_steps")
-# Command-line actions, not settings of the run: they are not stored in its config.json.
-ACTIONS = {"config": "read flags from a recipe, a TOML file whose keys are flag names "
-                     "(prompts-per-step = 4); flags on the command line override it",
-           "dry_run": "print the resolved settings, checked, and exit without loading or "
-                      "writing anything"}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        """argparse's own errors (an unknown flag, a word where a number goes) follow the rule
-        of every other bad input: one line, exit 2, from `main`."""
-        raise ValueError(f"{message} (see python tba.py --help)")
-
-
 def build_parser(with_defaults=True, own_task=None):
-    parser = ArgumentParser(
-        description="tba: Trajectory Balance with Asynchrony, on one machine",
-        epilog="python tba.py plot RUN [RUN ...] draws the curves of one or several runs")
-    for f in dataclasses.fields(Config):
-        add_flag(parser, f, with_defaults)
+    """The command line: Config's flags, then each option's and each task's under its heading
+    (`own_task`, a module:Class, brings its own)."""
     groups = {}
     for f, cls in [*option_fields().values(), *task_fields(own_task).values()]:
-        if cls not in groups:
-            groups[cls] = parser.add_argument_group(
-                "settings of " + cls.__doc__.strip().rstrip("."))
-        add_flag(groups[cls], f, with_defaults)
-    parser.add_argument("--config", metavar="FILE.toml", default=None if with_defaults
-                        else argparse.SUPPRESS, help=ACTIONS["config"])
-    parser.add_argument("--dry-run", action="store_true", default=False if with_defaults
-                        else argparse.SUPPRESS, help=ACTIONS["dry_run"])
-    return parser
-
-
-def add_flag(parser, f, with_defaults):
-    """One settings field as a command-line flag."""
-    name = "--" + f.name.replace("_", "-")
-    valid = f.metadata["valid"]
-    help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
-            + (f" (default: {f.default})" if f.default not in (None, "") else ""))
-    default = f.default if with_defaults else argparse.SUPPRESS
-    if f.type is bool:               # on/off, or --x/--no-x when the task chooses
-        action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-        parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
-    elif f.type is list:             # two numbers
-        parser.add_argument(name, type=float, nargs=2, metavar=("LOW", "HIGH"),
-                            default=default, help=help)
-    else:
-        kind = {"int": int, "float": float, "str": str}[f.type.__name__]
-        bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
-        parser.add_argument(name, type=kind, default=default, help=help, **bare)
-
-
-def task_named_in(argv):
-    """The --task of a command line, if it names one, read before the whole line is parsed."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--task")
-    return pre.parse_known_args(argv)[0].task
+        groups.setdefault("settings of " + cls.__doc__.strip().rstrip("."), []).append(f)
+    return flags.command_line(
+        "tba: Trajectory Balance with Asynchrony, on one machine",
+        "python tba.py plot RUN [RUN ...] draws the curves of one or several runs",
+        dataclasses.fields(Config), groups, with_defaults)
 
 
 def parse_args(argv=None):
@@ -301,11 +246,11 @@ def parse_args(argv=None):
     twice = sorted({a for a in named if named.count(a) > 1})
     if twice:                        # argparse would keep the last silently; a recipe refuses
         raise ValueError(f"{twice[0]} is given twice: keep one")
-    task = task_named_in(argv)                    # your own module:Class brings its flags
+    task = flags.task_named_in(argv)              # your own module:Class brings its flags
     values = vars(build_parser(own_task=task).parse_args(argv))
     given = set(vars(build_parser(with_defaults=False, own_task=task).parse_args(argv)))
-    actions = {name: values.pop(name) for name in ACTIONS}
-    given -= set(ACTIONS)
+    actions = {name: values.pop(name) for name in flags.ACTIONS}
+    given -= set(flags.ACTIONS)
     actions["recipe"], actions["recipe_steps"] = {}, None
     if actions["config"]:
         recipe = flags.read_recipe(actions["config"], all_fields())
@@ -342,10 +287,7 @@ NEEDS = [
      "use --searchers 1 or more or --replay-groups, or "),
     ("priority_temp", BUFFERED, "a replay buffer", "--searchers 0 has none",
      "use --searchers 1 or more or --replay-groups, or "),
-    ("log_z_lr", lambda c: c.log_z == "learned", "a learned log Z", "--log-z is group",
-     "add --log-z learned, or "),
-    ("lora_alpha", lambda c: c.lora_rank, "a LoRA adapter", "--lora-rank is 0",
-     "add --lora-rank R, or "),
+    *(rule for option in OPTIONS for rule in getattr(option, "NEEDS", ())),   # each option's
     ("model", lambda c: tasks.task_class(c.task).reads_model, "the policy it loads",
      "this task builds its own model", ""),
     ("trust_remote_code", lambda c: tasks.task_class(c.task).reads_model, "the model it loads",
@@ -388,60 +330,11 @@ def check_combination(cfg):
     if 0 <= cfg.max_staleness < cfg.sync_every - 1:
         raise ValueError(f"--max-staleness {cfg.max_staleness} is below --sync-every - 1 = "
                          f"{cfg.sync_every - 1}: searchers could never produce data fresh enough")
-    for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
-        if on and not buffered:
-            raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "
-                             "use --searchers 1 or more, or --replay-groups, or drop it")
-        if on and cfg.max_reuse:
-            raise ValueError(f"{name} with --max-reuse {cfg.max_reuse}: a buffer that stores "
-                             "what was found once would run out of groups to draw once the "
-                             "searchers find nothing new: use --max-reuse 0")
     if cfg.merge_cosine and not task.embeds_completions:
         raise ValueError(f"--merge-cosine needs a task that embeds its completions (redteam), "
                          f"not {cfg.task}: drop it")
     loggers.check(cfg.report_to)
     placement.check(cfg)
-
-
-def planned_length(planned, recipe_steps, task_steps):
-    """The run length a task's or recipe's schedule (`planned`: its SCHEDULE values) was made
-    for: the recipe's steps, else the task's, the first that the schedule fits; else the
-    shortest run it fits. So a recipe copied with a smaller `steps` and its schedule left as it
-    was has that schedule fitted as `--steps` on the command line would fit it."""
-    span = max(planned["warmup_steps"] + planned["decay_steps"], planned["beta_steps"],
-               planned["reward_temp_steps"] or 0)
-    return next((n for n in (recipe_steps, task_steps) if n and n >= span), span)
-
-
-def fit_schedule(cfg, from_task, task_steps):
-    """Warm-up + decay, and β's annealing, must fit in --steps: a trial run shorter than the
-    task's (or the recipe's) gets that schedule shrunk in proportion (shown by `describe`); a
-    schedule given on the command line that does not fit is refused, not trained silently at a
-    fraction of the peak lr. from_task: the SCHEDULE fields the task or the recipe chose;
-    task_steps: the run length they were chosen for."""
-    def fits(c):
-        return (c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
-                and c.reward_temp_steps <= c.steps)
-    if fits(cfg):
-        return cfg
-    scale = cfg.steps / task_steps
-    cfg = dataclasses.replace(cfg, **{name: round(getattr(cfg, name) * scale)
-                                      for name in SCHEDULE if name in from_task})
-    if "reward_temp_steps" in from_task and cfg.reward_temp_steps == 0:
-        cfg.reward_temp_steps = 1         # not 0, which would hold τ for the whole run
-    if cfg.warmup_steps + cfg.decay_steps > cfg.steps:
-        raise ValueError(f"the learning-rate schedule does not fit in --steps {cfg.steps}: "
-                         f"--warmup-steps {cfg.warmup_steps} + --decay-steps {cfg.decay_steps} "
-                         f"= {cfg.warmup_steps + cfg.decay_steps}: shorten them or train longer")
-    if cfg.beta_steps > cfg.steps:
-        raise ValueError(f"--beta-steps {cfg.beta_steps} is longer than the run's --steps "
-                         f"{cfg.steps}: β would never reach --beta-final; use --beta-steps "
-                         f"{cfg.steps} or fewer")
-    if cfg.reward_temp_steps > cfg.steps:
-        raise ValueError(f"--reward-temp-steps {cfg.reward_temp_steps} is longer than the run's "
-                         f"--steps {cfg.steps}: τ would never reach 1; use --reward-temp-steps "
-                         f"{cfg.steps} or fewer")
-    return cfg
 
 
 def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
@@ -477,8 +370,9 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
     check_ranges(cfg)
     if not cfg.resume:          # a resumed run keeps the schedule of its first session
         planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}   # the task's plan
-        cfg = fit_schedule(cfg, from_task | (set(SCHEDULE) & set(recipe)),
-                           planned_length(planned, recipe_steps, task_defaults.get("steps")))
+        planned_for = schedules.planned_length(planned, recipe_steps, task_defaults.get("steps"))
+        cfg = schedules.fit_schedule(cfg, from_task | (set(schedules.SCHEDULE) & set(recipe)),
+                                     planned_for)
     check_combination(cfg)
     return cfg
 
@@ -491,7 +385,7 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
     planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}
-    planned["steps"] = planned_length(planned, recipe_steps, task_defaults.get("steps"))
+    planned["steps"] = schedules.planned_length(planned, recipe_steps, task_defaults.get("steps"))
     groups, title = {}, None
     own = {f.name for f in dataclasses.fields(tasks.task_class(cfg.task).Settings)}
     options = {name: cls.__doc__.split(" (")[0] for name, (_, cls) in option_fields().items()}
@@ -507,21 +401,11 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     else:
         lines = [f"run {cfg.out}, task {cfg.task} (* the task's or the machine's choice; the "
                  "rest as in --help):"]
-    for title, items in groups.items():
-        line = f"  {title}:"
-        for item in items:                       # wrapped at `width` characters
-            if len(line) + 1 + len(item) > width:
-                lines.append(line)
-                line = " " * (len(title) + 3)
-            line += " " + item
-        lines.append(line)
-    fitted = [name for name in SCHEDULE if (name not in given or name in recipe)
+    lines += flags.wrapped(groups, width)
+    fitted = [name for name in schedules.SCHEDULE if (name not in given or name in recipe)
               and getattr(cfg, name) != planned.get(name, getattr(cfg, name))]
     if fitted and not cfg.resume:
-        whose = "recipe" if set(fitted) & set(recipe) else "task"
-        lines.append(f"  fitted to --steps {cfg.steps}: the {whose}'s schedule ("
-                     + ", ".join(f"{n.replace('_', '-')} {planned[n]}" for n in fitted)
-                     + f") is for {planned['steps']} steps")
+        lines.append(schedules.fitted_note(cfg, fitted, planned, set(fitted) & set(recipe)))
     return "\n".join(lines)
 
 

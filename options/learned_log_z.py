@@ -41,6 +41,12 @@ class Settings:
                                 "group's estimate; B/2: all the way)", POSITIVE)
 
 
+# A setting that acts only with another (config.NEEDS): (name, does it act in run c?, on what,
+# why not, fix)
+NEEDS = [("log_z_lr", lambda c: c.log_z == "learned", "a learned log Z", "--log-z is group",
+          "add --log-z learned, or ")]
+
+
 def check(cfg):
     if cfg.log_z != "group" and not cfg.loss.startswith("tb"):     # tb and its stale-data forms
         raise ValueError(f"--log-z {cfg.log_z} shapes trajectory balance's target, and --loss "

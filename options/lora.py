@@ -28,6 +28,12 @@ class Settings:
                                    "α/rank · B·A)", POSITIVE)
 
 
+# A setting that acts only with another (config.NEEDS): (name, does it act in run c?, on what,
+# why not, fix)
+NEEDS = [("lora_alpha", lambda c: c.lora_rank, "a LoRA adapter", "--lora-rank is 0",
+          "add --lora-rank R, or ")]
+
+
 def check(cfg):
     """LoRA's settings act alone."""
 

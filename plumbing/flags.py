@@ -2,6 +2,7 @@
 --help text and the rule its value must follow. `config.Config` declares the core settings with
 it, each option and each task its own (`tasks.Task.Settings`): one command line, one recipe
 format (`read_recipe`)."""
+import argparse
 import math
 import tomllib
 from dataclasses import field
@@ -85,3 +86,76 @@ def passes(valid, value):
     numbers = value if isinstance(value, list) else [value]
     return (not any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
             and bool(test(value)))
+
+
+# Command-line actions, not settings of the run: they are not stored in its config.json.
+ACTIONS = {"config": "read flags from a recipe, a TOML file whose keys are flag names "
+                     "(prompts-per-step = 4); flags on the command line override it",
+           "dry_run": "print the resolved settings, checked, and exit without loading or "
+                      "writing anything"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's own errors (an unknown flag, a word where a number goes) follow the rule
+        of every other bad input: one line, exit 2, from `main`."""
+        raise ValueError(f"{message} (see python tba.py --help)")
+
+
+def command_line(description, epilog, fields, groups, with_defaults=True):
+    """An argparse parser with a flag per settings field: `fields` first, then each of
+    `groups` ({heading: fields}) under its heading, then the ACTIONS. with_defaults False: a
+    flag not given is absent from the result (which flags were given)."""
+    parser = ArgumentParser(description=description, epilog=epilog)
+    for f in fields:
+        add_flag(parser, f, with_defaults)
+    for heading, grouped in groups.items():
+        group = parser.add_argument_group(heading)
+        for f in grouped:
+            add_flag(group, f, with_defaults)
+    parser.add_argument("--config", metavar="FILE.toml", default=None if with_defaults
+                        else argparse.SUPPRESS, help=ACTIONS["config"])
+    parser.add_argument("--dry-run", action="store_true", default=False if with_defaults
+                        else argparse.SUPPRESS, help=ACTIONS["dry_run"])
+    return parser
+
+
+def add_flag(parser, f, with_defaults):
+    """One settings field as a command-line flag."""
+    name = "--" + f.name.replace("_", "-")
+    valid = f.metadata["valid"]
+    help = (f.metadata["help"] + (f"; {valid[1]}" if valid else "")
+            + (f" (default: {f.default})" if f.default not in (None, "") else ""))
+    default = f.default if with_defaults else argparse.SUPPRESS
+    if f.type is bool:               # on/off, or --x/--no-x when the task chooses
+        action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        parser.add_argument(name, action=action, default=default, help=f.metadata["help"])
+    elif f.type is list:             # two numbers
+        parser.add_argument(name, type=float, nargs=2, metavar=("LOW", "HIGH"),
+                            default=default, help=help)
+    else:
+        kind = {"int": int, "float": float, "str": str}[f.type.__name__]
+        bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata["bare"] else {}
+        parser.add_argument(name, type=kind, default=default, help=help, **bare)
+
+
+def task_named_in(argv):
+    """The --task of a command line, if it names one, read before the whole line is parsed."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task")
+    return pre.parse_known_args(argv)[0].task
+
+
+def wrapped(groups, width=100):
+    """Settings printed by group, `{title: ["name=value", ...]}`, each group's line wrapped at
+    `width` characters. -> lines"""
+    lines = []
+    for title, items in groups.items():
+        line = f"  {title}:"
+        for item in items:
+            if len(line) + 1 + len(item) > width:
+                lines.append(line)
+                line = " " * (len(title) + 3)
+            line += " " + item
+        lines.append(line)
+    return lines

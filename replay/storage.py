@@ -9,8 +9,34 @@ saved state before it is loaded.
   picks the oldest completion (``evict="oldest"``) or the lowest reward (``"lowest"``: the
   best stay however old they are).
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from plumbing.flags import flag, within
+
+
+@dataclass
+class Settings:
+    """the replay buffer's storage (replay/storage.py)"""
+    dedup: bool = flag(False, "store each completion of a prompt once: its newest copy (older "
+                              "copies in the buffer are left out); needs --max-reuse 0")
+    merge_cosine: float = flag(0.0, "redteam: completions of a prompt whose embeddings have "
+                                    "cosine at least this are near-duplicates, of which the "
+                                    "buffer keeps the higher reward (0: off)", within(0, 1))
+
+
+def check(cfg):
+    """--dedup and --merge-cosine act on a replay buffer that may run out of new groups."""
+    for name, on in (("--dedup", cfg.dedup), ("--merge-cosine", cfg.merge_cosine)):
+        if on and not (cfg.searchers or cfg.replay_groups):
+            raise ValueError(f"{name} acts on the replay buffer, and --searchers 0 has none: "
+                             "use --searchers 1 or more, or --replay-groups, or drop it")
+        if on and cfg.max_reuse:
+            raise ValueError(f"{name} with --max-reuse {cfg.max_reuse}: a buffer that stores "
+                             "what was found once would run out of groups to draw once the "
+                             "searchers find nothing new: use --max-reuse 0")
 
 
 class Storage:
