@@ -4,6 +4,7 @@ TensorBoard's event files and wandb's offline run file are read back."""
 import json
 import shutil
 import struct
+import time
 
 import pytest
 
@@ -97,19 +98,29 @@ def test_wandb_offline_gets_the_same_rows_and_resumes_into_the_same_run(tmp_path
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     run_id = (run_dir / "wandb-id").read_text()
     assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2      # one run, two sessions
-    history, configs = [], []
-    for f in files:
-        for record in wandb_records(f):
-            kind = record.WhichOneof("record_type")
-            if kind == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
-                history.append({k: v for k, v in items.items() if not k.startswith("_")})
-            elif kind == "run":
-                assert record.run.run_id == run_id
-                configs.append({u.key: json.loads(u.value_json) for u in record.run.config.update
-                                if u.key != "_wandb"})
     expected = rows_by_step(run_dir)
+
+    def read_back():
+        history, configs = [], []
+        for f in files:
+            for record in wandb_records(f):
+                kind = record.WhichOneof("record_type")
+                if kind == "history":
+                    items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item}
+                    history.append({k: v for k, v in items.items() if not k.startswith("_")})
+                elif kind == "run":
+                    assert record.run.run_id == run_id
+                    configs.append({u.key: json.loads(u.value_json)
+                                    for u in record.run.config.update if u.key != "_wandb"})
+        return history, configs
+    # wandb's service process writes the offline file, and on a busy machine it may still be
+    # writing the second session's last records when `finish()` has returned: wait for them
+    for _ in range(50):
+        history, configs = read_back()
+        if len(history) >= len(expected):
+            break
+        time.sleep(0.2)
     assert [h["step"] for h in history] == sorted(expected)             # each step once
     for logged in history:
         assert logged.keys() == expected[logged["step"]].keys()
