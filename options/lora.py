@@ -35,7 +35,7 @@ NEEDS = [("lora_alpha", lambda c: c.lora_rank, "a LoRA adapter", "--lora-rank is
 
 
 def check(cfg):
-    """LoRA's settings act alone."""
+    """No rule ties LoRA's settings to the others' (--lora-alpha's one rule is in NEEDS)."""
 
 
 def adapter(rank, alpha):
