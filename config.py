@@ -295,11 +295,11 @@ NEEDS = [
 ]
 
 
-def check_given(cfg, flags):
-    """Every setting given on the command line (`flags`; a recipe's keys may be general) acts
-    in this run: one `NEEDS` rule for each setting that acts only with another."""
+def check_given(cfg, given):
+    """Every setting given on the command line (`given`, their names; a recipe's keys may be
+    general) acts in this run: one `NEEDS` rule for each setting that acts only with another."""
     for name, acts, on, why_not, fix in NEEDS:
-        if name in flags and not acts(cfg):
+        if name in given and not acts(cfg):
             raise ValueError(f"--{name.replace('_', '-')} acts on {on}, and {why_not}: {fix}"
                              "drop it")
 
