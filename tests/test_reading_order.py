@@ -20,6 +20,7 @@ import trainer
 from assembly import load
 from devices.sync_check import receive_weights
 from devices.weights import WeightChannel
+from test_readme import reading_order
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = ("tba.py", "searcher.py", "buffer.py", "trainer.py", "batch.py")
@@ -105,19 +106,12 @@ def test_an_option_that_is_on_runs_in_the_step(tmp_path):
     assert {"options/losses.py", "options/stale_tb.py", "options/exploration.py"} <= set(ran)
 
 
-def reading_order():
-    """The README's reading order: -> [(file, its row's "what to look for")]"""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Reading order"):text.index("## Files")]
-    return re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| \d+ \| (.*) \|$", section, re.M)
-
-
 def test_the_readme_reading_order_is_the_path_one_step_takes(tmp_path):
     """The README's table lists tba.py (the loop), then every file one step of `--task toy
     --searchers 1` enters, in the order it first enters them; the function each row names first
     is one the step ran. tba.py's `train` is the loop whose body the traced step repeats."""
     ran = traced_step(tmp_path, "--searchers", "1")
-    rows = reading_order()
+    rows = [(name, what) for name, _, what in reading_order()[1]]
     assert rows[0][0] == "tba.py"
     assert [name for name, _ in rows[1:]] == list(ran), "README's reading order != the traced path"
     for name, what in rows[1:]:
