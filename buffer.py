@@ -20,9 +20,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from replay.storage import Storage
 from batch import REFERENCE, GroupBatch
+from replay import saved_state
 from replay.draws import Pool, draw_without_replacement, groups_in
+from replay.storage import Storage
 
 
 def shared_bytes(capacity, max_prompt_len, max_response_len, n_prompts, embedding_dim=0):
@@ -259,7 +260,7 @@ class ReplayBuffer:
 
     def load_state_dict(self, state: dict, max_version: int) -> None:
         """Restore a `state_dict` of versions up to `max_version` (the checkpoint's step)."""
-        self.storage.check_state(state, versions=(REFERENCE, max_version))
+        saved_state.check(self, state, versions=(REFERENCE, max_version))
         n_added = state["n_added"]
         with self._lock:
             for name in self.FIELDS:

@@ -21,7 +21,7 @@ import torch
 import tasks
 from devices import placement
 from llm import models, precision
-from plumbing import checkpoint, flags, loggers, schedules
+from plumbing import checkpoint, flags, loggers
 from plumbing import run as run_files
 from options import exploration, learned_log_z, lora, losses, policy_lag, replay_groups, rloo
 from replay import storage
@@ -370,9 +370,9 @@ def resolve(cfg, recipe=None, measure=True, recipe_steps=None):
     check_ranges(cfg)
     if not cfg.resume:          # a resumed run keeps the schedule of its first session
         planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}   # the task's plan
-        planned_for = schedules.planned_length(planned, recipe_steps, task_defaults.get("steps"))
-        cfg = schedules.fit_schedule(cfg, from_task | (set(schedules.SCHEDULE) & set(recipe)),
-                                     planned_for)
+        planned_for = flags.planned_length(planned, recipe_steps, task_defaults.get("steps"))
+        cfg = flags.fit_schedule(cfg, from_task | (set(flags.SCHEDULE) & set(recipe)),
+                                 planned_for)
     check_combination(cfg)
     return cfg
 
@@ -385,7 +385,7 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
     recipe = recipe or {}
     task_defaults = tasks.task_class(cfg.task).defaults
     planned = {**dataclasses.asdict(cfg), **task_defaults, **recipe}
-    planned["steps"] = schedules.planned_length(planned, recipe_steps, task_defaults.get("steps"))
+    planned["steps"] = flags.planned_length(planned, recipe_steps, task_defaults.get("steps"))
     groups, title = {}, None
     own = {f.name for f in dataclasses.fields(tasks.task_class(cfg.task).Settings)}
     options = {name: cls.__doc__.split(" (")[0] for name, (_, cls) in option_fields().items()}
@@ -402,10 +402,10 @@ def describe(cfg, given, width=100, recipe=None, recipe_steps=None):
         lines = [f"run {cfg.out}, task {cfg.task} (* the task's or the machine's choice; the "
                  "rest as in --help):"]
     lines += flags.wrapped(groups, width)
-    fitted = [name for name in schedules.SCHEDULE if (name not in given or name in recipe)
+    fitted = [name for name in flags.SCHEDULE if (name not in given or name in recipe)
               and getattr(cfg, name) != planned.get(name, getattr(cfg, name))]
     if fitted and not cfg.resume:
-        lines.append(schedules.fitted_note(cfg, fitted, planned, set(fitted) & set(recipe)))
+        lines.append(flags.fitted_note(cfg, fitted, planned, set(fitted) & set(recipe)))
     return "\n".join(lines)
 
 

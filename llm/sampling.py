@@ -6,8 +6,13 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           StoppingCriteriaList)
 
 from llm.logprobs import prompt_attention_mask
-from llm.static_decoding import (PREFIX, PROMPT_BUCKET, STATIC, compile_works, default_cache,
-                                 static_cache)
+from llm.static_decoding import PREFIX, PROMPT_BUCKET, STATIC, compile_works, static_cache
+
+
+def default_cache(device):
+    """STATIC where transformers compiles it (a CUDA GPU with a usable compiler), else PREFIX:
+    a CPU step never enters static_decoding.py."""
+    return STATIC if torch.device(device).type == "cuda" and compile_works() else PREFIX
 
 
 def left_pad(sequences, pad_id, multiple=1):

@@ -1,5 +1,6 @@
 """How `generate` keeps the keys and values of the tokens so far, and the static cache that lets
-transformers compile the decoding step on a GPU (`sampling.generate(cache=...)`)."""
+transformers compile the decoding step on a GPU (`sampling.generate(cache=...)`; which one a
+device gets: `sampling.default_cache`)."""
 import os
 import shutil
 import sys
@@ -46,11 +47,6 @@ def own_dtypes(lazy_initialization):
             layer.values = torch.zeros_like(layer.values, dtype=value_states.dtype)
             torch._dynamo.mark_static_address(layer.values)
     return initialize
-
-
-def default_cache(device):
-    """STATIC where transformers compiles it (a CUDA GPU with a usable compiler), else PREFIX."""
-    return STATIC if torch.device(device).type == "cuda" and compile_works() else PREFIX
 
 
 _COMPILE_CHECKED = {}

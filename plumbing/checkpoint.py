@@ -14,7 +14,7 @@ not be written; the half-written temporary folder is removed to give the space b
 file of a run is written the same way, through `write_file` (whole files: config.json, the --lag
 weights) or `append_lines` (metrics.jsonl, samples.jsonl): a failure names the file and the
 reason, and leaves no temporary file and no half line behind. A saved replay buffer is checked
-by the buffer itself (`ReplayBuffer.check_state`, replay/storage.py) before it is loaded.
+by `ReplayBuffer.load_state_dict` before it is loaded (replay/saved_state.py).
 """
 import os
 import re

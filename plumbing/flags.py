@@ -1,8 +1,10 @@
 """How a setting is declared: `flag(default, help, valid)`, a dataclass field that carries its
 --help text and the rule its value must follow. `config.Config` declares the core settings with
 it, each option and each task its own (`tasks.Task.Settings`): one command line, one recipe
-format (`read_recipe`)."""
+format (`read_recipe`), and a task's or a recipe's schedule fitted to a shorter run
+(`fit_schedule`)."""
 import argparse
+import dataclasses
 import math
 import tomllib
 from dataclasses import field
@@ -159,3 +161,57 @@ def wrapped(groups, width=100):
             line += " " + item
         lines.append(line)
     return lines
+
+
+# --- fitting a task's or a recipe's schedule to the run's --steps ------------------------------
+# The learning-rate and β schedules (and the reward temperature's): all must fit in --steps.
+SCHEDULE = ("warmup_steps", "decay_steps", "beta_steps", "reward_temp_steps")
+
+
+def planned_length(planned, recipe_steps, task_steps):
+    """The run length a task's or recipe's schedule (`planned`: its SCHEDULE values) was made
+    for: the recipe's steps, else the task's, the first that the schedule fits; else the
+    shortest run it fits. So a recipe copied with a smaller `steps` and its schedule left as it
+    was has that schedule fitted as `--steps` on the command line would fit it."""
+    span = max(planned["warmup_steps"] + planned["decay_steps"], planned["beta_steps"],
+               planned["reward_temp_steps"] or 0)
+    return next((n for n in (recipe_steps, task_steps) if n and n >= span), span)
+
+
+def fit_schedule(cfg, from_task, task_steps):
+    """Warm-up + decay, and β's annealing, must fit in --steps: a trial run shorter than the
+    task's (or the recipe's) gets that schedule shrunk in proportion (shown by `describe`); a
+    schedule given on the command line that does not fit is refused, not trained silently at a
+    fraction of the peak lr. from_task: the SCHEDULE fields the task or the recipe chose;
+    task_steps: the run length they were chosen for."""
+    def fits(c):
+        return (c.warmup_steps + c.decay_steps <= c.steps and c.beta_steps <= c.steps
+                and c.reward_temp_steps <= c.steps)
+    if fits(cfg):
+        return cfg
+    scale = cfg.steps / task_steps
+    cfg = dataclasses.replace(cfg, **{name: round(getattr(cfg, name) * scale)
+                                      for name in SCHEDULE if name in from_task})
+    if "reward_temp_steps" in from_task and cfg.reward_temp_steps == 0:
+        cfg.reward_temp_steps = 1         # not 0, which would hold τ for the whole run
+    if cfg.warmup_steps + cfg.decay_steps > cfg.steps:
+        raise ValueError(f"the learning-rate schedule does not fit in --steps {cfg.steps}: "
+                         f"--warmup-steps {cfg.warmup_steps} + --decay-steps {cfg.decay_steps} "
+                         f"= {cfg.warmup_steps + cfg.decay_steps}: shorten them or train longer")
+    if cfg.beta_steps > cfg.steps:
+        raise ValueError(f"--beta-steps {cfg.beta_steps} is longer than the run's --steps "
+                         f"{cfg.steps}: β would never reach --beta-final; use --beta-steps "
+                         f"{cfg.steps} or fewer")
+    if cfg.reward_temp_steps > cfg.steps:
+        raise ValueError(f"--reward-temp-steps {cfg.reward_temp_steps} is longer than the run's "
+                         f"--steps {cfg.steps}: τ would never reach 1; use --reward-temp-steps "
+                         f"{cfg.steps} or fewer")
+    return cfg
+
+
+def fitted_note(cfg, fitted, planned, from_recipe):
+    """The settings printout's line for a schedule `fit_schedule` shrank: `fitted`, the names it
+    changed; `planned`, the values and the run length (`steps`) they were made for."""
+    return (f"  fitted to --steps {cfg.steps}: the {'recipe' if from_recipe else 'task'}'s "
+            "schedule (" + ", ".join(f"{n.replace('_', '-')} {planned[n]}" for n in fitted)
+            + f") is for {planned['steps']} steps")

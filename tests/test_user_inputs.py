@@ -12,7 +12,7 @@ import torch
 
 import config
 import tba
-from plumbing import checkpoint, plot, run, schedules
+from plumbing import checkpoint, flags, plot, run
 from plumbing.errors import NonFiniteError, diverged_policy_named
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_a_recipe_copied_with_steps_3_resolves_as_the_command_line_does(recipe, 
     theirs = resolved("--config", str(recipe), "--steps", "3")
     assert ours.warmup_steps + ours.decay_steps <= 3 and ours.beta_steps <= 3
     differ = {k for k in ours.__dict__ if getattr(ours, k) != getattr(theirs, k)}
-    assert differ <= set(schedules.SCHEDULE)
+    assert differ <= set(flags.SCHEDULE)
     if recipe.stem not in ("paper-tldr", "redteam-gpu"):   # schedules made for their steps
         assert not differ
 
