@@ -1,7 +1,6 @@
 """A batch of groups: B prompts with up to K completions each, the unit that flows from the
 searcher through the replay buffer to the trainer. Every per-completion tensor is [B, K].
 """
-import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -64,43 +63,6 @@ class GroupBatch:
     def kept(self) -> torch.Tensor:
         """[B, K] bool: the completions that are really there, to train on and count."""
         return torch.ones_like(self.reward, dtype=torch.bool) if self.keep is None else self.keep
-
-    @staticmethod
-    def cat(batches, pad_id: int) -> "GroupBatch":
-        """The groups of several batches as one, on the first one's device: prompts left padded
-        and responses right padded to the widest. Fields only a fresh search has (embedding,
-        info) are dropped; a fresh group counts as drawn once, from no slot (order -1)."""
-        device = batches[0].reward.device
-        P = max(b.prompt_ids.shape[1] for b in batches)
-        R = max(b.response_ids.shape[2] for b in batches)
-
-        def joined(field, width=None, pad=0, left=False, missing=None):   # [B, ...] of them all
-            parts = []
-            for b in batches:
-                t = getattr(b, field)
-                t = (missing(b) if t is None else t).to(device)
-                if width is not None:
-                    gap = width - t.shape[-1]
-                    t = torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=pad)
-                parts.append(t)
-            return torch.cat(parts)
-
-        def nan(b):
-            return torch.full_like(b.reward, math.nan)
-        return GroupBatch(
-            prompt_ids=joined("prompt_ids", P, pad_id, left=True),              # [B, P']
-            prompt_mask=joined("prompt_mask", P, 0, left=True),                 # [B, P']
-            response_ids=joined("response_ids", R, pad_id),                     # [B, K, R']
-            response_len=joined("response_len"), reward=joined("reward"),       # [B, K] each
-            ref_logp=joined("ref_logp"), version=joined("version"),
-            prompt_index=joined("prompt_index"),                                # [B]
-            behaviour_logp=joined("behaviour_logp", missing=nan),
-            search_temperature=joined("search_temperature", missing=nan),
-            from_reference=joined("from_reference", missing=lambda b: b.version == REFERENCE),
-            keep=joined("keep", missing=GroupBatch.kept),
-            order=joined("order", missing=lambda b: torch.full_like(b.version, -1)),
-            draws=joined("draws", missing=lambda b: torch.ones_like(b.version)),
-            recent_count=sum(b.recent_count for b in batches))
 
     def sampling_metrics(self, version):
         """How the completions of a step were sampled, counting only those trained on: how many

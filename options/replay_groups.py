@@ -104,8 +104,8 @@ class ReplayGroups(SynchronousSource):
         fresh.recent_count = n_fresh                      # the fresh groups
         if replayed is not None:          # trained once fresh, outside the buffer's count
             replayed.draws = replayed.draws + 1           # [n, K] times trained
-        batch = GroupBatch.cat([fresh] if replayed is None else [fresh, replayed],
-                               pad_id=self.tokenizer.pad_token_id)
+        batch = concatenated([fresh] if replayed is None else [fresh, replayed],
+                             pad_id=self.tokenizer.pad_token_id)
         metrics.update(reuse_mean=batch.draws[batch.kept()].float().mean().item(),
                        buffer_completions=len(self.buffer),
                        recent_frac_actual=n_fresh / cfg.prompts_per_step,
@@ -167,3 +167,40 @@ def store_demonstrations(buffer, source, pairs, chunk=64):
                                  ref_logp[row:row + 1], math.nan, REFERENCE, prompt.index,
                                  math.nan, None if embeddings is None else embeddings[row:row + 1])
     return stored
+
+
+def concatenated(batches, pad_id: int) -> GroupBatch:
+    """The groups of several batches as one, on the first one's device: prompts left padded
+    and responses right padded to the widest. Fields only a fresh search has (embedding,
+    info) are dropped; a fresh group counts as drawn once, from no slot (order -1)."""
+    device = batches[0].reward.device
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    R = max(b.response_ids.shape[2] for b in batches)
+
+    def joined(field, width=None, pad=0, left=False, missing=None):   # [B, ...] of them all
+        parts = []
+        for b in batches:
+            t = getattr(b, field)
+            t = (missing(b) if t is None else t).to(device)
+            if width is not None:
+                gap = width - t.shape[-1]
+                t = torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=pad)
+            parts.append(t)
+        return torch.cat(parts)
+
+    def nan(b):
+        return torch.full_like(b.reward, math.nan)
+    return GroupBatch(
+        prompt_ids=joined("prompt_ids", P, pad_id, left=True),              # [B, P']
+        prompt_mask=joined("prompt_mask", P, 0, left=True),                 # [B, P']
+        response_ids=joined("response_ids", R, pad_id),                     # [B, K, R']
+        response_len=joined("response_len"), reward=joined("reward"),       # [B, K] each
+        ref_logp=joined("ref_logp"), version=joined("version"),
+        prompt_index=joined("prompt_index"),                                # [B]
+        behaviour_logp=joined("behaviour_logp", missing=nan),
+        search_temperature=joined("search_temperature", missing=nan),
+        from_reference=joined("from_reference", missing=lambda b: b.version == REFERENCE),
+        keep=joined("keep", missing=GroupBatch.kept),
+        order=joined("order", missing=lambda b: torch.full_like(b.version, -1)),
+        draws=joined("draws", missing=lambda b: torch.ones_like(b.version)),
+        recent_count=sum(b.recent_count for b in batches))

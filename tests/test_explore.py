@@ -13,7 +13,7 @@ from llm import sampling
 import searcher
 from assembly.load import make_source
 import tasks
-from options import rloo
+from options import replay_groups, rloo
 import tba
 import trainer
 from batch import REFERENCE, GroupBatch
@@ -245,14 +245,14 @@ def generated(model, prompts, max_new_tokens, seed):
 
 
 def test_concatenated_batches_keep_every_completions_logprobs():
-    """GroupBatch.cat pads batches of other prompt and response widths to one: the trainer's log π
+    """replay_groups.concatenated pads batches of other prompt and response widths to one: the trainer's log π
     of every completion in the joined batch equals generation's log μ of it (1e-5: float32
     sums in another order), and a drawn batch's padding (keep False) stays padding."""
     model = tiny_llama()
     wide = generated(model, [[3, 5, 7, 9], [4, 2]], max_new_tokens=6, seed=1)     # [2, 2, ≤6]
     narrow = generated(model, [[6]], max_new_tokens=2, seed=2)                    # [1, 2, ≤2]
     narrow.keep = torch.tensor([[True, False]])
-    joined = GroupBatch.cat([narrow, wide], pad_id=0)
+    joined = replay_groups.concatenated([narrow, wide], pad_id=0)
     assert joined.prompt_ids.shape[1] == 4 and joined.response_ids.shape[:2] == (3, 2)
     assert joined.keep.tolist() == [[True, False], [True, True], [True, True]]
     with torch.no_grad():
