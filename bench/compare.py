@@ -36,6 +36,8 @@ defaults (β 0.2, written out: BETA_02) and one change each, as the runs in git 
   tb-sync-eval200, tb-async-eval200  the two above evaluated on all 200 test problems
                    (--eval-n 0), not the first 128: the goal's falls of 5 points are 6-7 of
                    128 problems, within what one evaluation's resolution makes (see the report)
+  tb-async-f32, topr-async-f32  one searcher at the defaults in float32 on all 200 problems,
+                   with --loss tb and with tb-topr (the stale negatives tapered: bench/lag.py)
 summarize runs in bfloat16 (`--dtype bfloat16`: generation 1.4x faster than float32 here).
 Runs go seed by seed (so that a stopped bench has every setting for the first seeds), each in its
 own process (`--lanes 2`: two at once, each pinned to a core, bench/lag.py's runner); a finished
@@ -65,6 +67,7 @@ from lag import finished, largest_fall, run_all, summary  # noqa: E402  the lag 
 SYNC, ASYNC = ["--searchers", "0"], ["--searchers", "1"]
 BETA_02 = ["--beta", "0.2", "--beta-final", "0.2"]        # arith's default in rounds 8-12
 BETA_005_BF16 = ["--dtype", "bfloat16", "--beta", "0.05", "--beta-final", "0.05"]
+F32_EVAL200 = ["--dtype", "float32", "--eval-n", "0"]    # where bfloat16 is not native
 CHECKPOINTS_S = (120, 240, 360)           # "so far" at these wall times
 SUMMARIZE_CHECKPOINTS_S = (240, 360)      # its evaluations come ~3 min apart
 
@@ -145,7 +148,9 @@ TASKS = {
                   "tb-sync-beta0.05-bf16": [*SYNC, *BETA_005_BF16],
                   "tb-async-beta0.05-bf16": [*ASYNC, *BETA_005_BF16],
                   "tb-sync-eval200": [*SYNC, *BETA_005_BF16, "--eval-n", "0"],
-                  "tb-async-eval200": [*ASYNC, *BETA_005_BF16, "--eval-n", "0"]},
+                  "tb-async-eval200": [*ASYNC, *BETA_005_BF16, "--eval-n", "0"],
+                  "tb-async-f32": [*ASYNC, *F32_EVAL200, "--loss", "tb"],
+                  "topr-async-f32": [*ASYNC, *F32_EVAL200, "--loss", "tb-topr"]},
         columns={"acc10": ("accuracy at step 10", 3, lambda t, e: at_step(e, 10)["eval/accuracy"]),
                  "best": ("best accuracy", 3, lambda t, e: max(r["eval/accuracy"] for r in e)),
                  "final": ("final accuracy", 3, lambda t, e: e[-1]["eval/accuracy"]),
