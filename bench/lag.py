@@ -29,7 +29,9 @@ steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then us
 The trained models are deleted after each run, the checkpoints and --lag's weight files after
 each run that ends well (the figures are in metrics.jsonl). The report gives the final metric,
 the metric at each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
-mean ± sd [min–max] over the seeds, and draws final metric against lag, a line per loss
+mean ± sd [min–max] over the seeds; then each loss against TB at its own lag and at L = 0,
+seed by seed (a win over TB: ahead on every seed by more than the larger sd); and draws final
+metric against lag, a line per loss
 through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
 it the metric against step, a line per loss and lag.
 """
@@ -150,7 +152,7 @@ def report(task, runs, seeds, steps, plot_to):
           f"step 25 | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
     print("|---|---|---|---|---|---|---|---|---|")
     why = []                       # the diagnostics of each setting: means over steps and seeds
-    finals, curves = {}, {}
+    finals, curves, by_seed = {}, {}, {}
     for loss in spec["losses"]:
         for lag in sorted(spec["lags"]):
             done = [folder(runs, loss, lag, s) for s in seeds
@@ -160,6 +162,8 @@ def report(task, runs, seeds, steps, plot_to):
             data = [read(d) for d in done]
             final = [e[-1][metric] for _, e in data]
             finals[(loss, lag)] = final
+            by_seed[(loss, lag)] = {s: f for s, f in zip(
+                [s for s in seeds if finished(folder(runs, loss, lag, s), steps)], final)}
             by_step = {}
             for _, evals in data:
                 for e in evals:
@@ -177,6 +181,7 @@ def report(task, runs, seeds, steps, plot_to):
                   f"{curve} | {summary(ess)} | {summary(ratio)} | {summary(kl)} |")
             why.append((loss, lag, [[statistics.mean(r[k] for r in t if k in r) if any(
                 k in r for r in t) else None for t, _ in data] for k in DIAGNOSTICS]))
+    against_tb(by_seed, sign)
     print("\nWhy (means over each run's steps, then over seeds): the pre-clip gradient norm, the "
           "cosine between consecutive gradients, the share of TB's per-completion weight on "
           "completions with π/μ < e^-2, the mean log π/μ of completions rewarded above and "
@@ -215,6 +220,36 @@ def report(task, runs, seeds, steps, plot_to):
         fig.tight_layout()
         fig.savefig(plot_to, dpi=120)
         print(f"\nplot: {plot_to}")
+
+
+def against_tb(by_seed, sign):
+    """Each loss against TB at its own lag and at L = 0, on the seeds both finished. A win over
+    TB is being ahead on every seed by more than the larger of the two sds (one value a seed: the
+    final metric, `sign` +1 when higher is better); the gap to TB at L = 0 is that of the means
+    and that of the worst seeds."""
+    rows = []
+    for (loss, lag), mine in by_seed.items():
+        for name, other in (("tb", by_seed.get(("tb", lag))),
+                            ("tb at L = 0", by_seed.get(("tb", 0)))):
+            common = sorted(set(mine) & set(other or {}))
+            if loss == "tb" and name == "tb" or not common or (loss, lag) == ("tb", 0):
+                continue
+            a, b = [mine[s] for s in common], [other[s] for s in common]
+            ahead = [sign * (x - y) for x, y in zip(a, b)]                      # per seed
+            sd = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (a, b))
+            win = "–" if name != "tb" else "yes" if len(common) > 1 and min(ahead) > sd else "no"
+            worst = sign * (min(a, key=lambda v: sign * v) - min(b, key=lambda v: sign * v))
+            rows.append(f"| {loss} | {lag} | {name} | {' '.join(str(s) for s in common)} | "
+                        f"{' '.join(f'{d:+.3f}' for d in ahead)} | {sd:.3f} | "
+                        f"{win} | "
+                        f"{sign * (statistics.mean(a) - statistics.mean(b)):+.3f} | {worst:+.3f} |")
+    if rows:
+        print("\nAgainst TB (final metric; ahead: this loss minus the other, per seed, positive "
+              "when better; win: ahead on every seed, more than one, by more than the larger sd)\n")
+        print("| loss | L | against | seeds | ahead, per seed | larger sd | win | mean ahead | "
+              "worst seed ahead |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def plot_why(task, runs, seeds, steps, plot_to, window=5):

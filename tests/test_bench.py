@@ -180,8 +180,8 @@ def test_the_gpu_check_skips_what_its_share_cannot_hold():
 
 def test_the_lag_reports_falls_last_evaluations_and_why(tmp_path, capsys):
     """bench/lag.py's report and diagnostics plot on two made-up 50-step runs at L = 16: the
-    final metric, the mean of the last 3 evaluations and the largest fall after step 25 below
-    the best before it, by hand."""
+    final metric, the mean of the last 3 evaluations, the largest fall after step 25 below the
+    best before it, and one loss against TB, by hand."""
     lag = _bench("lag")
     curves = {"tb": [0.4, 0.6, 0.9, 0.8, 0.5, 0.7], "tb-trust": [0.4, 0.6, 0.8, 0.9, 0.9, 0.95]}
     for loss, accuracy in curves.items():
@@ -201,6 +201,9 @@ def test_the_lag_reports_falls_last_evaluations_and_why(tmp_path, capsys):
     assert "| 0.700 ± 0.000" in tb and "| 0.667 ± 0.000" in tb and "| 0.400 ± 0.000" in tb
     trust = next(line for line in out.splitlines() if line.startswith("| tb-trust | 16 |"))
     assert "| 0.000 ± 0.000" in trust                       # it never falls
+    # against TB on its one seed: 0.95 - 0.7 ahead, and no win on one seed (the rule needs every
+    # seed of several ahead by more than the larger sd)
+    assert "| tb-trust | 16 | tb | 3 | +0.250 | 0.000 | no | +0.250 | +0.250 |" in out
     why = next(line for line in out.splitlines() if line.startswith("| tb | 16 | 10.000"))
     assert "0.100 ± 0.000" in why and "0.200 ± 0.000" in why
     assert (tmp_path / "why.png").stat().st_size > 10_000
