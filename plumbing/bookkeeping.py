@@ -55,8 +55,12 @@ class Bookkeeping:
                 self.log.close()
 
     def fill(self, source):
-        """Evaluate the starting policy (not on --resume) while the searchers fill the buffer."""
-        if not self.cfg.resume:
+        """Evaluate the starting policy while the searchers fill the buffer. On --resume, only
+        an evaluation that was due at the checkpoint's step and is not in metrics.jsonl (the run
+        stopped during it): the resumed run logs what the run that never stopped did."""
+        cfg, step = self.cfg, self.first_step
+        if not cfg.resume or (cfg.eval_every and step % cfg.eval_every == 0
+                              and not self.log.has_evaluation(step)):
             self.evaluate()
         with tqdm(total=source.fill_target, desc="filling the buffer", unit="group",
                   disable=self.cfg.quiet or not source.fill_target, leave=False) as fill:

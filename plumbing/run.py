@@ -236,12 +236,12 @@ class MetricsLog:
         that then died) are moved to metrics.discarded.jsonl: the resumed run redoes them, and
         the loggers, which have them already, do not get them again."""
         self.path = path = Path(path)
-        self.loggers, self.reported_up_to = list(loggers), -1
+        self.loggers, self.reported = list(loggers), set()   # (step, training?) the loggers have
         if resume_step is not None and path.exists():
             rows = path.read_text().splitlines(keepends=True)
-            steps = [MetricsLog.step_of(r) for r in rows]
-            self.reported_up_to = max([s for s in steps if s is not None], default=-1)
-            keep = [step is not None and step <= resume_step for step in steps]
+            kinds = [MetricsLog.kind_of(r) for r in rows]
+            self.reported = {kind for kind in kinds if kind}
+            keep = [kind is not None and kind[0] <= resume_step for kind in kinds]
             if not all(keep):
                 checkpoint.append_lines(path.with_name("metrics.discarded.jsonl"),
                                         [r for r, k in zip(rows, keep) if not k])
@@ -249,16 +249,22 @@ class MetricsLog:
                 checkpoint.write_file(path, lambda f: f.write(kept.encode()))
 
     @staticmethod
-    def step_of(line):
-        """The step of a metrics line; None for a line cut short by a crash."""
+    def kind_of(line):
+        """(step, whether it is a training step's row) of a metrics line; an evaluation's row
+        has no loss. None for a line cut short by a crash."""
         try:
-            return json.loads(line)["step"]
+            row = json.loads(line)
+            return row["step"], "loss" in row
         except (ValueError, KeyError, TypeError):
             return None
 
+    def has_evaluation(self, step):
+        """Did an earlier session of the run log an evaluation at `step`?"""
+        return (step, False) in self.reported
+
     def write(self, row):
         checkpoint.append_lines(self.path, [json.dumps(row) + "\n"])
-        if row["step"] > self.reported_up_to:
+        if (row["step"], "loss" in row) not in self.reported:
             for logger in self.loggers:
                 logger.log(row)
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plumbing import checkpoint
+from plumbing import bookkeeping, checkpoint
 import config
 from plumbing import run
 import tasks
@@ -91,6 +91,32 @@ def test_resume_gives_the_same_run(device, extra, tmp_path, monkeypatch):
         stop_after(patch, 4)
         assert tba.main([*args, "--out", str(resumed)]) == 130
     assert checkpoint.latest(resumed).name == "step_4"
+    assert tba.main(["--resume", str(resumed)]) == 0
+    assert metrics(resumed) == metrics(straight)
+    a = load_file(straight / "final" / "model.safetensors")
+    b = load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_stopped_during_an_evaluation_resumes_with_it(tmp_path, monkeypatch):
+    """Stopped at once (a second Ctrl-C) while step 4 is evaluated, after step 4's checkpoint:
+    the resumed run evaluates step 4 before step 5, so its records and weights are those of the
+    run that never stopped."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = [*TOY, "--steps", "8", "--save-every", "4"]
+    assert tba.main([*args, "--out", str(straight)]) == 0
+    real_evaluate = bookkeeping.evaluate
+
+    def interrupted_at_step_4(*args, step, **kwargs):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)      # the second stops the run at once
+        return real_evaluate(*args, step=step, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(bookkeeping, "evaluate", interrupted_at_step_4)
+        assert tba.main([*args, "--out", str(resumed)]) == 130
+    assert checkpoint.latest(resumed).name == "step_4"
+    assert [r["step"] for r in metrics(resumed) if "loss" not in r] == [0]   # 4's is missing
     assert tba.main(["--resume", str(resumed)]) == 0
     assert metrics(resumed) == metrics(straight)
     a = load_file(straight / "final" / "model.safetensors")
