@@ -28,12 +28,13 @@ skipped, an unfinished one started again (arith: resumed from its checkpoint of 
 steps). --lanes 2 runs two at once, each with `taskset` on one core (tba then uses one thread).
 The trained models are deleted after each run, the checkpoints and --lag's weight files after
 each run that ends well (the figures are in metrics.jsonl). The report gives the final metric,
-the metric at each evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
-mean ± sd [min–max] over the seeds; then each loss against TB at its own lag and at L = 0,
-seed by seed (a win over TB: ahead on every seed by more than the larger sd); and draws final
-metric against lag, a line per loss
-through the seeds' mean and a dot per seed (settings with every seed finished only), and beside
-it the metric against step, a line per loss and lag.
+the mean of the last 3 evaluations, the largest fall after step 25, the metric at each
+evaluation, the mean ESS/N and log π/μ of the trained data and the final KL, each as
+mean ± sd [min–max] over the seeds, and names the evaluations a run is missing; then each loss
+against TB at its own lag and at L = 0, seed by seed (a win over TB: ahead on every seed by more
+than the larger sd); and draws final metric against lag, a line per loss through the seeds'
+mean and a dot per seed (settings with every seed finished only), and beside it the metric
+against step, a line per loss and lag.
 """
 import argparse
 import json
@@ -143,6 +144,13 @@ def largest_fall(evals, key, after):
     return fall
 
 
+def missing_evaluations(steps):
+    """The steps of a run's evaluations that are absent: its evaluations are every k steps, k the
+    smallest gap between two of them (the last, at the final step, may be closer)."""
+    every = min((b - a for a, b in zip(steps, steps[1:-1])), default=0)
+    return [s for s in range(steps[0], steps[-1], every) if s not in steps] if every else []
+
+
 def report(task, runs, seeds, steps, plot_to):
     spec, metric = TASKS[task], TASKS[task]["metric"]
     print(f"\n{task}: {metric} ({spec['better']} is better), {len(seeds)} seeds; "
@@ -152,18 +160,20 @@ def report(task, runs, seeds, steps, plot_to):
           f"step 25 | by evaluation (step: mean) | ESS/N | log π/μ | final KL |")
     print("|---|---|---|---|---|---|---|---|---|")
     why = []                       # the diagnostics of each setting: means over steps and seeds
+    gaps = []                      # evaluations a run is missing (stopped while it evaluated)
     finals, curves, by_seed = {}, {}, {}
     for loss in spec["losses"]:
         for lag in sorted(spec["lags"]):
-            done = [folder(runs, loss, lag, s) for s in seeds
-                    if finished(folder(runs, loss, lag, s), steps)]
+            done = [s for s in seeds if finished(folder(runs, loss, lag, s), steps)]
             if not done:
                 continue
-            data = [read(d) for d in done]
+            data = [read(folder(runs, loss, lag, s)) for s in done]
+            gaps += [f"{loss} at L = {lag}, seed {seed}: step {', '.join(map(str, missing))}"
+                     for seed, (_, evals) in zip(done, data)
+                     if (missing := missing_evaluations([e["step"] for e in evals]))]
             final = [e[-1][metric] for _, e in data]
             finals[(loss, lag)] = final
-            by_seed[(loss, lag)] = {s: f for s, f in zip(
-                [s for s in seeds if finished(folder(runs, loss, lag, s), steps)], final)}
+            by_seed[(loss, lag)] = dict(zip(done, final))
             by_step = {}
             for _, evals in data:
                 for e in evals:
@@ -181,6 +191,9 @@ def report(task, runs, seeds, steps, plot_to):
                   f"{curve} | {summary(ess)} | {summary(ratio)} | {summary(kl)} |")
             why.append((loss, lag, [[statistics.mean(r[k] for r in t if k in r) if any(
                 k in r for r in t) else None for t, _ in data] for k in DIAGNOSTICS]))
+    if gaps:
+        print("\nMissing evaluations (the means by evaluation leave those seeds out there, and a "
+              "fall there is not counted): " + "; ".join(gaps))
     against_tb(by_seed, sign)
     print("\nWhy (means over each run's steps, then over seeds): the pre-clip gradient norm, the "
           "cosine between consecutive gradients, the share of TB's per-completion weight on "

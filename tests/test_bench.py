@@ -207,3 +207,11 @@ def test_the_lag_reports_falls_last_evaluations_and_why(tmp_path, capsys):
     why = next(line for line in out.splitlines() if line.startswith("| tb | 16 | 10.000"))
     assert "0.100 ± 0.000" in why and "0.200 ± 0.000" in why
     assert (tmp_path / "why.png").stat().st_size > 10_000
+
+
+def test_the_lag_report_names_the_evaluations_a_run_is_missing():
+    """Evaluations every 10 steps, the one at step 20 and 70 absent (a run stopped while it
+    evaluated): named; a last evaluation closer to the one before (the final step) is no gap."""
+    lag = _bench("lag")
+    assert lag.missing_evaluations([0, 10, 30, 40, 50, 60, 80, 90, 100]) == [20, 70]
+    assert lag.missing_evaluations([0, 10, 20, 25]) == [] == lag.missing_evaluations([0, 25])
