@@ -107,11 +107,11 @@ def test_a_run_stopped_during_an_evaluation_resumes_with_it(tmp_path, monkeypatc
     assert tba.main([*args, "--out", str(straight)]) == 0
     real_evaluate = bookkeeping.evaluate
 
-    def interrupted_at_step_4(*args, step, **kwargs):
+    def interrupted_at_step_4(*positional, step, **named):
         if step == 4:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)      # the second stops the run at once
-        return real_evaluate(*args, step=step, **kwargs)
+        return real_evaluate(*positional, step=step, **named)
     with monkeypatch.context() as patch:
         patch.setattr(bookkeeping, "evaluate", interrupted_at_step_4)
         assert tba.main([*args, "--out", str(resumed)]) == 130
